@@ -1,0 +1,48 @@
+// Every CUDA, cuBLAS(Lt) and NCCL return code is checked; a failure names the call's file:line.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+[[noreturn]] inline void cuda_fail(const char* what, const char* call, const char* file, int line) {
+  throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + call + " failed: " + what);
+}
+
+#define CUDA_CHECK(call)                                                              \
+  do {                                                                                \
+    cudaError_t cuda_check_err_ = (call);                                             \
+    if (cuda_check_err_ != cudaSuccess)                                               \
+      cuda_fail(cudaGetErrorString(cuda_check_err_), #call, __FILE__, __LINE__);      \
+  } while (0)
+
+// After a kernel launch: the launch configuration error, if any.
+#define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
+
+#define CUBLAS_CHECK(call)                                                            \
+  do {                                                                                \
+    cublasStatus_t cublas_check_status_ = (call);                                     \
+    if (cublas_check_status_ != CUBLAS_STATUS_SUCCESS)                                \
+      cuda_fail(cublasGetStatusString(cublas_check_status_), #call, __FILE__, __LINE__); \
+  } while (0)
+
+#define NCCL_CHECK(call)                                                              \
+  do {                                                                                \
+    ncclResult_t nccl_check_result_ = (call);                                         \
+    if (nccl_check_result_ != ncclSuccess)                                            \
+      cuda_fail(ncclGetErrorString(nccl_check_result_), #call, __FILE__, __LINE__);  \
+  } while (0)
+
+// The trainer's kernels are built for Hopper (sm_90a); any other GPU is refused at start.
+inline void require_hopper_gpu(int device) {
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  if (prop.major != 9 || prop.minor != 0)
+    throw std::runtime_error("unsupported GPU '" + std::string(prop.name) + "' (compute capability " +
+                             std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+                             "): this build targets sm_90a (H100/H200); rebuild with "
+                             "-DSPEEDRUN_CUDA_GENCODE for another GPU");
+}

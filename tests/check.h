@@ -1,0 +1,78 @@
+// A minimal test harness: CHECK records failures and keeps going; main returns run_checks().
+#pragma once
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace check {
+
+inline int& failures() { static int n = 0; return n; }
+
+struct Case { const char* name; std::function<void()> body; };
+inline std::vector<Case>& cases() { static std::vector<Case> all; return all; }
+
+struct Register {
+  Register(const char* name, std::function<void()> body) { cases().push_back({name, std::move(body)}); }
+};
+
+inline void fail(const char* file, int line, const std::string& what) {
+  std::printf("  FAILED %s:%d: %s\n", file, line, what.c_str());
+  ++failures();
+}
+
+// Runs every registered case and returns the process exit code (0 when all passed).
+inline int run_checks() {
+  int failed_cases = 0;
+  for (const Case& c : cases()) {
+    int before = failures();
+    std::printf("[ RUN  ] %s\n", c.name);
+    std::fflush(stdout);
+    try {
+      c.body();
+    } catch (const std::exception& e) {
+      fail(__FILE__, __LINE__, std::string("unexpected exception: ") + e.what());
+    }
+    bool ok = failures() == before;
+    failed_cases += !ok;
+    std::printf("[ %s ] %s\n", ok ? " OK " : "FAIL", c.name);
+  }
+  std::printf("%d passed, %d failed\n", int(cases().size()) - failed_cases, failed_cases);
+  return failed_cases == 0 ? 0 : 1;
+}
+
+}  // namespace check
+
+#define CHECK_CONCAT2(a, b) a##b
+#define CHECK_CONCAT(a, b) CHECK_CONCAT2(a, b)
+#define TEST_CASE(name)                                                       \
+  static void CHECK_CONCAT(test_body_, __LINE__)();                           \
+  static check::Register CHECK_CONCAT(test_reg_, __LINE__)(name, CHECK_CONCAT(test_body_, __LINE__)); \
+  static void CHECK_CONCAT(test_body_, __LINE__)()
+
+#define CHECK(cond) \
+  do { if (!(cond)) check::fail(__FILE__, __LINE__, #cond); } while (0)
+
+#define CHECK_NEAR(a, b, tol)                                                                   \
+  do {                                                                                          \
+    double check_a_ = (a), check_b_ = (b);                                                      \
+    if (!(std::fabs(check_a_ - check_b_) <= (tol)))                                             \
+      check::fail(__FILE__, __LINE__, std::string(#a " = ") + std::to_string(check_a_) +       \
+                                          " vs " #b " = " + std::to_string(check_b_));          \
+  } while (0)
+
+// Expects `expr` to throw an exception whose message contains every one of the given fragments.
+#define CHECK_THROWS_WITH(expr, ...)                                                            \
+  do {                                                                                          \
+    bool check_threw_ = false;                                                                  \
+    try { expr; } catch (const std::exception& e) {                                             \
+      check_threw_ = true;                                                                      \
+      for (const char* frag : {__VA_ARGS__})                                                    \
+        if (std::string(e.what()).find(frag) == std::string::npos)                              \
+          check::fail(__FILE__, __LINE__, std::string("message '") + e.what() +                 \
+                                              "' lacks '" + frag + "'");                        \
+    }                                                                                           \
+    if (!check_threw_) check::fail(__FILE__, __LINE__, #expr " did not throw");                 \
+  } while (0)
