@@ -1,0 +1,167 @@
+// The CPU reference's building blocks against values fixed by SPEC Part 1: parameter counts, the
+// step-0 loss, FP8 rounding, the attention block mask, the optimizers and the schedules.
+#include "check.h"
+#include "reference/optim.h"
+#include "reference/synthetic.h"
+
+#include <algorithm>
+#include <numeric>
+
+TEST_CASE("record config has 275,742,784 parameters in the SPEC's split") {
+  int64_t embeddings = 0, hidden = 0, head = 0, scalars = 0;
+  for (const ParamSpec& s : param_specs(ModelConfig::record())) {
+    if (s.role == ParamRole::embed || s.role == ParamRole::value_embed) embeddings += s.numel();
+    else if (uses_muon(s.role)) hidden += s.numel();
+    else if (s.role == ParamRole::lm_head) head += s.numel();
+    else scalars += s.numel();
+  }
+  CHECK(embeddings == 154533888);
+  CHECK(hidden == 82575360);
+  CHECK(head == 38633472);
+  CHECK(scalars == 64);
+  CHECK(embeddings + hidden + head + scalars == 275742784);
+}
+
+TEST_CASE("with the zero-initialised head every token's loss is ln(vocab)") {
+  ModelConfig c = ModelConfig::tiny();
+  Tensors w = init_params(c, 1);
+  std::vector<uint16_t> tokens = synthetic_tokens(65, c.vocab_size, c.bos_token, 0.05, 2);
+  double loss = forward_backward(c, w, {tokens.data(), tokens.data() + 1, 64, 3}, nullptr);
+  CHECK_NEAR(loss / 64, std::log(double(c.vocab_size)), 1e-12);
+}
+
+TEST_CASE("fp8 rounding: e4m3fn and e5m2 grids, ties to even, subnormals, overflow") {
+  CHECK(round_to_fp8(1.0, kE4M3) == 1.0);
+  CHECK(round_to_fp8(1.0625, kE4M3) == 1.0);     // halfway between 1 and 1.125: to even
+  CHECK(round_to_fp8(1.1875, kE4M3) == 1.25);    // halfway between 1.125 and 1.25: to even
+  CHECK(round_to_fp8(-300.0, kE4M3) == -288.0);  // 256 + 32k grid
+  CHECK(round_to_fp8(448.0, kE4M3) == 448.0);
+  CHECK(std::isnan(round_to_fp8(470.0, kE4M3)));  // rounds to 480, not representable: NaN
+  CHECK(round_to_fp8(std::ldexp(1.0, -9), kE4M3) == std::ldexp(1.0, -9));  // smallest subnormal
+  CHECK(round_to_fp8(std::ldexp(1.0, -11), kE4M3) == 0.0);
+  CHECK(round_to_fp8(1.125, kE5M2) == 1.0);      // e5m2 has 2 mantissa bits: 1, 1.25, ...
+  CHECK(round_to_fp8(57344.0, kE5M2) == 57344.0);
+  CHECK(std::isinf(round_to_fp8(62000.0, kE5M2)));
+}
+
+TEST_CASE("fp8 head: training loss close to the plain head, evaluation unchanged") {
+  ModelConfig c = ModelConfig::tiny();
+  Tensors w = init_params(c, 3, true);
+  std::vector<uint16_t> tokens = synthetic_tokens(65, c.vocab_size, c.bos_token, 0.05, 4);
+  MicroSequence seq{tokens.data(), tokens.data() + 1, 64, 3};
+  double plain = forward_backward(c, w, seq, nullptr);
+  c.fp8_head = true;
+  double fp8 = forward_backward(c, w, seq, nullptr, true);
+  double eval = forward_backward(c, w, seq, nullptr, false);
+  CHECK(fp8 != plain);
+  CHECK(std::fabs(fp8 - plain) < 0.02 * plain);
+  CHECK(eval == plain);
+}
+
+// Blocks of 4 tokens; documents start (BOS) at tokens 0, 6 and 20 of a 32-token sequence.
+static std::vector<int> three_documents() {
+  std::vector<uint16_t> tokens(32, 1);
+  tokens[0] = tokens[6] = tokens[20] = 9;
+  return document_ids(tokens.data(), 32, 9);
+}
+
+TEST_CASE("block mask: window 1 (and the short window 0) attends the diagonal only") {
+  for (int window : {0, 1}) {
+    std::vector<std::vector<int>> blocks = attended_kv_blocks(three_documents(), 4, window);
+    for (int q = 0; q < 8; ++q) CHECK(blocks[q] == std::vector<int>{q});
+  }
+}
+
+TEST_CASE("block mask: partial and full blocks nearest first, clamped by the window") {
+  // Docs per block (low..high): b0 1..1, b1 1..2, b2..b4 2..2, b5 3..3 (BOS at 20), b6, b7 3..3.
+  std::vector<int> docs = three_documents();
+  std::vector<std::vector<int>> wide = attended_kv_blocks(docs, 4, 14);
+  CHECK((wide[1] == std::vector<int>{1, 0}));        // both partial (b1 spans docs 1 and 2)
+  CHECK((wide[4] == std::vector<int>{4, 1, 3, 2}));  // partial 4, 1; full 3, 2
+  CHECK((wide[7] == std::vector<int>{7, 6, 5}));     // partial 7; full 6, 5
+  std::vector<std::vector<int>> narrow = attended_kv_blocks(docs, 4, 2);
+  CHECK((narrow[4] == std::vector<int>{4, 3}));      // full clamped to W-1 = 1, partial to max(W-full, 1) = 1
+  CHECK((narrow[1] == std::vector<int>{1, 0}));      // no full blocks: partial up to W = 2
+  std::vector<char> allowed = attention_allowed(docs, 4, 14);
+  CHECK(allowed[7 * 32 + 6] == 1);                   // same document, causal
+  CHECK(allowed[7 * 32 + 5] == 0);                   // previous document
+  CHECK(allowed[6 * 32 + 7] == 0);                   // future token
+}
+
+TEST_CASE("schedules: lr factor, momentum warmup and window blocks as the reference") {
+  Schedule s;  // 1770 iterations
+  CHECK(s.lr_factor(0) == 1.0);
+  CHECK(s.lr_factor(1061) == 1.0);
+  CHECK_NEAR(s.lr_factor(1062), 1.0, 1e-12);  // x = 0.6 exactly: w = 1
+  CHECK_NEAR(s.lr_factor(1416), 0.55, 1e-12);
+  CHECK_NEAR(s.lr_factor(1769), (1.0 / 1770 / 0.4) + (1 - 1.0 / 1770 / 0.4) * 0.1, 1e-12);
+  CHECK(s.muon_momentum(0) == 0.85);
+  CHECK_NEAR(s.muon_momentum(150), 0.90, 1e-12);
+  CHECK_NEAR(s.muon_momentum(300), 0.95, 1e-12);
+  CHECK_NEAR(s.muon_momentum(1000), 0.95, 1e-12);
+  CHECK(s.window_blocks(0) == 1);
+  CHECK(s.window_blocks(131) == 1);   // 1728 * 131 / 1770 = 127.9 tokens
+  CHECK(s.window_blocks(132) == 2);
+  CHECK(s.window_blocks(1770) == 14); // 1728 -> 1792 tokens
+  CHECK_THROWS_WITH(s.lr_factor(1771), "step 1771");
+}
+
+TEST_CASE("adam: two steps of the PyTorch formula by hand") {
+  AdamConfig cfg;
+  double p = 1.0, m = 0, v = 0;
+  double g1 = 0.5, g2 = -0.25, lr = 0.01;
+  adam_update(&p, &g1, &m, &v, 1, lr, 1, cfg);
+  double m1 = 0.2 * g1, v1 = 0.05 * g1 * g1;
+  double p1 = 1.0 - lr * std::sqrt(0.05) / 0.2 * m1 / (std::sqrt(v1) + 1e-10);
+  CHECK_NEAR(p, p1, 1e-15);
+  CHECK_NEAR(p, 1.0 - lr, 1e-9);  // the first step moves by lr * sign(g), up to eps
+  adam_update(&p, &g2, &m, &v, 1, lr, 2, cfg);
+  double m2 = 0.8 * m1 + 0.2 * g2, v2 = 0.95 * v1 + 0.05 * g2 * g2;
+  double step = lr * std::sqrt(1 - 0.95 * 0.95) / (1 - 0.8 * 0.8);
+  CHECK_NEAR(m, m2, 1e-15);
+  CHECK_NEAR(v, v2, 1e-15);
+  CHECK_NEAR(p, p1 - step * m2 / (std::sqrt(v2) + 1e-10), 1e-15);
+}
+
+TEST_CASE("newton-schulz: acts on singular values by the quintic, transposes tall matrices") {
+  MuonConfig cfg;
+  // X = P diag(s) with P a signed permutation: NS5(X) = P diag(f(s / |s|)).
+  std::vector<double> s = {3.0, 1.0, 0.5, 0.1};
+  int perm[4] = {2, 0, 3, 1};
+  double sign[4] = {1, -1, 1, -1};
+  std::vector<double> X(4 * 6, 0.0);
+  for (int i = 0; i < 4; ++i) X[perm[i] * 6 + i] = sign[i] * s[i];
+  std::vector<double> out = X;
+  newton_schulz5(out, 4, 6, cfg);
+  double norm = std::sqrt(std::inner_product(s.begin(), s.end(), s.begin(), 0.0)) + 1e-7;
+  for (int i = 0; i < 4; ++i) {
+    double x = s[i] / norm;
+    for (int k = 0; k < 5; ++k) x = cfg.a * x + cfg.b * x * x * x + cfg.c * x * x * x * x * x;
+    CHECK_NEAR(out[perm[i] * 6 + i], sign[i] * x, 1e-12);
+    CHECK(x > 0.5 && x < 1.5);  // the quintic's intended band (except tiny singular values)
+  }
+  std::vector<double> tall(6 * 4);
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 6; ++j) tall[j * 4 + i] = X[i * 6 + j];
+  newton_schulz5(tall, 6, 4, cfg);
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 6; ++j) CHECK_NEAR(tall[j * 4 + i], out[i * 6 + j], 1e-12);
+}
+
+TEST_CASE("muon: momentum, nesterov form and the shape scale of tall matrices") {
+  MuonConfig cfg;
+  std::vector<int64_t> tall{4, 2};  // rows/cols = 2: lr x sqrt(2)
+  std::vector<double> g = {0.3, -0.1, 0.2, 0.4, -0.5, 0.1, 0.05, 0.2};
+  std::vector<double> p(8, 0.0), buf(8, 0.1);
+  muon_update(p.data(), g.data(), buf.data(), tall, 0.05, 0.9, cfg);
+  std::vector<double> expected_buf(8), nesterov(8);
+  for (int i = 0; i < 8; ++i) {
+    expected_buf[i] = 0.9 * 0.1 + 0.1 * g[i];
+    nesterov[i] = 0.1 * g[i] + 0.9 * expected_buf[i];
+    CHECK_NEAR(buf[i], expected_buf[i], 1e-15);
+  }
+  newton_schulz5(nesterov, 4, 2, cfg);
+  for (int i = 0; i < 8; ++i) CHECK_NEAR(p[i], -0.05 * std::sqrt(2.0) * nesterov[i], 1e-14);
+}
+
+int main() { return check::run_checks(); }
