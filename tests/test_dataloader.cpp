@@ -1,0 +1,185 @@
+// The data pipeline: every bad input gives a message naming the file and the problem; the batch
+// plan reproduces the reference generator (rollover, tail dropping, the >= boundary); ranks
+// partition the micro-sequences; the prefetching loader hands each rank exactly its share.
+#include "check.h"
+#include "data/dataloader.h"
+
+#include <unistd.h>
+
+#include <fstream>
+#include <set>
+
+namespace {
+
+std::string temp_dir() {
+  static std::string dir = [] {
+    char tmpl[] = "/tmp/speedrun_data_XXXXXX";
+    if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
+    return std::string(tmpl);
+  }();
+  return dir;
+}
+
+// Writes a shard with the given header fields and tokens; returns its path.
+std::string write_shard(const std::string& name, const std::vector<uint16_t>& tokens, int32_t magic = kShardMagic,
+                        int32_t version = kShardVersion, int64_t header_count = -1, size_t extra_bytes = 0) {
+  std::string path = temp_dir() + "/" + name;
+  std::vector<int32_t> header(kShardHeaderInts, 0);
+  header[0] = magic;
+  header[1] = version;
+  header[2] = int32_t(header_count >= 0 ? header_count : int64_t(tokens.size()));
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(header.data()), kShardHeaderBytes);
+  f.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
+  std::string pad(extra_bytes, 'x');
+  f.write(pad.data(), pad.size());
+  return path;
+}
+
+// Tokens start, start + 1, ... (mod 50000), so every position is recognisable.
+std::vector<uint16_t> counting_tokens(size_t n, int start) {
+  std::vector<uint16_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = uint16_t((start + i) % 50000);
+  return t;
+}
+
+// The reference generator written out plainly: windows as (shard index, pos) pairs.
+std::vector<std::pair<int, int64_t>> reference_windows(const std::vector<size_t>& shard_lengths, int64_t batch) {
+  std::vector<std::pair<int, int64_t>> out;
+  size_t file = 0;
+  int64_t len = int64_t(shard_lengths[file]), pos = 0;
+  for (;;) {
+    if (pos + batch + 1 >= len) {
+      if (++file == shard_lengths.size()) return out;
+      len = int64_t(shard_lengths[file]);
+      pos = 0;
+    }
+    out.push_back({int(file), pos});
+    pos += batch;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bad shards: each error names the file and the problem") {
+  std::vector<uint16_t> ok = counting_tokens(100, 0);
+  std::string magic = write_shard("bad_magic.bin", ok, 12345);
+  CHECK_THROWS_WITH(read_shard(magic, kTokenizerVocab), "bad_magic.bin", "wrong magic 12345", "20240520");
+  std::string version = write_shard("bad_version.bin", ok, kShardMagic, 7);
+  CHECK_THROWS_WITH(read_shard(version, kTokenizerVocab), "bad_version.bin", "unsupported version 7");
+  std::string truncated = write_shard("truncated_tokens.bin", ok, kShardMagic, kShardVersion, 120);
+  CHECK_THROWS_WITH(read_shard(truncated, kTokenizerVocab), "truncated_tokens.bin", "size 1224 bytes",
+                    "token count 120", "expected 1264 bytes");
+  std::string trailing = write_shard("trailing_bytes.bin", ok, kShardMagic, kShardVersion, -1, 3);
+  CHECK_THROWS_WITH(read_shard(trailing, kTokenizerVocab), "trailing_bytes.bin", "does not match");
+  std::string header_only = temp_dir() + "/short_header.bin";
+  std::ofstream(header_only, std::ios::binary) << "tiny";
+  CHECK_THROWS_WITH(read_shard(header_only, kTokenizerVocab), "short_header.bin", "truncated header");
+  std::vector<uint16_t> big = ok;
+  big[42] = 50300;
+  std::string out_of_range = write_shard("big_token.bin", big);
+  CHECK_THROWS_WITH(read_shard(out_of_range, kTokenizerVocab), "big_token.bin", "token id 50300", "position 42",
+                    "vocab size 50257");
+  CHECK_THROWS_WITH(read_shard(temp_dir() + "/missing.bin", kTokenizerVocab), "missing.bin", "cannot open");
+  CHECK_THROWS_WITH(list_shards(temp_dir() + "/nothing_*.bin"), "no files match pattern", "nothing_*.bin");
+}
+
+TEST_CASE("too few tokens for the requested batch: the >= boundary of the reference") {
+  write_shard("edge_a_000.bin", counting_tokens(4 * 8 + 1, 0));  // M*T + 1 tokens: never a window
+  CHECK_THROWS_WITH(BatchPlan(temp_dir() + "/edge_a_*.bin", 8, 4, kTokenizerVocab).next(), "edge_a_000.bin",
+                    "holds 33 tokens", "too few for one batch", "needs 34");
+  write_shard("edge_b_000.bin", counting_tokens(4 * 8 + 2, 0));  // M*T + 2: exactly one window
+  BatchPlan plan(temp_dir() + "/edge_b_*.bin", 8, 4, kTokenizerVocab);
+  GlobalWindow w = plan.next();
+  CHECK(w.pos == 0 && w.tokens[32] == 32);
+  CHECK_THROWS_WITH(plan.next(), "exhausted at step 1", "1 file(s)", "does not cycle");
+}
+
+TEST_CASE("batch plan equals the reference generator over shards, with rollover and tail drop") {
+  std::vector<size_t> lengths = {1000, 777, 64 + 2, 1500};
+  for (size_t f = 0; f < lengths.size(); ++f)
+    write_shard("plan_" + std::to_string(f) + ".bin", counting_tokens(lengths[f], int(f) * 10000));
+  for (auto [T, M] : std::vector<std::pair<int, int>>{{8, 8}, {16, 4}, {32, 2}, {5, 3}}) {
+    BatchPlan plan(temp_dir() + "/plan_*.bin", T, M, kTokenizerVocab);
+    std::vector<std::pair<int, int64_t>> expected = reference_windows(lengths, int64_t(T) * M);
+    for (size_t k = 0; k < expected.size(); ++k) {
+      GlobalWindow w = plan.next();
+      CHECK(w.step == int64_t(k));
+      CHECK(w.pos == expected[k].second);
+      CHECK(w.shard.find("plan_" + std::to_string(expected[k].first)) != std::string::npos);
+      for (int j = 0; j < M; ++j)  // micro-sequence j: T + 1 consecutive tokens from pos + j*T
+        CHECK(w.tokens[j * T + T] == uint16_t(expected[k].first * 10000 + expected[k].second + j * T + T));
+    }
+    CHECK_THROWS_WITH(plan.next(), "exhausted");
+  }
+}
+
+TEST_CASE("ranks partition the micro-sequences: j goes to rank j mod W") {
+  for (int W : {1, 2, 3, 5, 8}) {
+    std::multiset<int> seen;
+    for (int r = 0; r < W; ++r)
+      for (int j = 0; j < 8; ++j)
+        if (BatchPlan::rank_of_micro(j, W) == r) seen.insert(j);
+    CHECK(seen.size() == 8 && std::set<int>(seen.begin(), seen.end()).size() == 8);
+  }
+}
+
+TEST_CASE("validation plan: sequences, rank split, divisibility and size errors") {
+  write_shard("val_000.bin", counting_tokens(10 * 16 + 2, 7));
+  ValidationPlan val(temp_dir() + "/val_*.bin", 10 * 16, 16, kTokenizerVocab);
+  CHECK(val.num_sequences() == 10);
+  CHECK(val.sequence(3)[0] == 7 + 48 && val.sequence(9)[16] == 7 + 160);
+  for (int W : {1, 3, 8}) {
+    std::set<int64_t> all;
+    for (int r = 0; r < W; ++r)
+      for (int64_t s : val.sequences_of_rank(r, W)) CHECK(all.insert(s).second && s % W == r);
+    CHECK(all.size() == 10);
+  }
+  CHECK_THROWS_WITH(ValidationPlan(temp_dir() + "/val_*.bin", 100, 16, kTokenizerVocab), "not a positive multiple");
+  CHECK_THROWS_WITH(ValidationPlan(temp_dir() + "/val_*.bin", 11 * 16, 16, kTokenizerVocab), "val_000.bin", "too few");
+}
+
+TEST_CASE("prefetch loader: each rank gets exactly its micro-sequences, errors surface from next()") {
+  std::vector<size_t> lengths = {3000, 2000};
+  for (size_t f = 0; f < lengths.size(); ++f)
+    write_shard("loader_" + std::to_string(f) + ".bin", counting_tokens(lengths[f], int(f) * 20000));
+  const int T = 16, M = 8, W = 3;
+  for (int depth : {1, 3}) {
+    for (int rank = 0; rank < W; ++rank) {
+      BatchPlan reference(temp_dir() + "/loader_*.bin", T, M, kTokenizerVocab);
+      PrefetchLoader loader(BatchPlan(temp_dir() + "/loader_*.bin", T, M, kTokenizerVocab), rank, W, depth);
+      int steps = 0;
+      for (;; ++steps) {
+        GlobalWindow w;
+        try {
+          w = reference.next();
+        } catch (const DataError&) {
+          CHECK_THROWS_WITH(loader.next(), "exhausted");
+          break;
+        }
+        const RankBatch& b = loader.next();
+        CHECK(b.step == w.step && b.num_micro == (rank < M % W ? M / W + 1 : M / W));
+        int i = 0;
+        for (int j = rank; j < M; j += W, ++i)
+          CHECK(std::equal(w.tokens + j * T, w.tokens + j * T + T + 1, b.tokens + i * (T + 1)));
+      }
+      CHECK(steps > 20);
+    }
+  }
+}
+
+TEST_CASE("prefetch loader: destroyed while its thread waits, without hanging") {
+  write_shard("stop_000.bin", counting_tokens(5000, 0));
+  for (int i = 0; i < 20; ++i) {
+    PrefetchLoader loader(BatchPlan(temp_dir() + "/stop_*.bin", 16, 4, kTokenizerVocab), 0, 2, 2);
+    if (i % 2) loader.next();
+  }
+  CHECK(true);
+}
+
+int main() {
+  int rc = check::run_checks();
+  std::string cleanup = "rm -rf " + temp_dir();
+  if (std::system(cleanup.c_str()) != 0) std::printf("could not remove %s\n", temp_dir().c_str());
+  return rc;
+}
