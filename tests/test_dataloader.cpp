@@ -177,6 +177,19 @@ TEST_CASE("prefetch loader: destroyed while its thread waits, without hanging") 
   CHECK(true);
 }
 
+TEST_CASE("bundled sample: valid shards, 28 steps of 49,152 tokens, 2 validation sequences") {
+  BatchPlan plan("data/sample/sample_train_*.bin", 49152, 1, kTokenizerVocab);
+  int steps = 0;
+  try {
+    for (;; ++steps) CHECK(plan.next().tokens[0] < kTokenizerVocab);
+  } catch (const DataError& e) {
+    CHECK(std::string(e.what()).find("exhausted at step 28") != std::string::npos);
+  }
+  CHECK(steps == 28);
+  ValidationPlan val("data/sample/sample_val_*.bin", 2 * 262144, 262144, kTokenizerVocab);
+  CHECK(val.num_sequences() == 2 && val.sequence(0)[0] == kBosToken);
+}
+
 int main() {
   int rc = check::run_checks();
   std::string cleanup = "rm -rf " + temp_dir();

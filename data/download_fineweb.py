@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Downloads FineWeb10B GPT-2 shards (the validation shard and train shards 1..N) from the
+Hugging Face dataset kjj0/fineweb10B-gpt2 into data/fineweb10B/.
+
+Resumable: a download goes to <name>.part and continues from its size with an HTTP Range request;
+the finished file's header is validated (magic, version, size = 1024 + 2 * token count) before it
+is renamed into place. An existing valid shard is skipped; an invalid one is reported and fetched
+again. Usage: python3 data/download_fineweb.py [N] [--dest DIR] [--base-url URL]
+"""
+import argparse
+import os
+import struct
+import sys
+import urllib.request
+
+BASE_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main"
+MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024
+CHUNK = 1 << 20
+
+
+class ShardError(Exception):
+    pass
+
+
+def validate_shard(path):
+    """Returns the token count of a valid shard; raises ShardError naming the file and the problem."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: truncated header: {size} bytes, fewer than {HEADER_BYTES}")
+    with open(path, "rb") as f:
+        magic, version, count = struct.unpack("<3i", f.read(12))
+    if magic != MAGIC:
+        raise ShardError(f"{path}: wrong magic {magic} (expected {MAGIC})")
+    if version != VERSION:
+        raise ShardError(f"{path}: unsupported version {version} (expected {VERSION})")
+    expected = HEADER_BYTES + 2 * count
+    if size != expected:
+        raise ShardError(f"{path}: size {size} bytes does not match the header's token count {count} "
+                         f"(expected {expected} bytes)")
+    return count
+
+
+def download(url, dest):
+    """Fetches url into dest, resuming dest + '.part' if present."""
+    part = dest + ".part"
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    with urllib.request.urlopen(request) as response:
+        if have and response.status != 206:  # the server ignored the range: start over
+            have = 0
+        with open(part, "ab" if have else "wb") as out:
+            while chunk := response.read(CHUNK):
+                out.write(chunk)
+    validate_shard(part)
+    os.replace(part, dest)
+
+
+def shard_names(num_train):
+    return ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, num_train + 1)]
+
+
+def fetch_all(num_train, dest_dir, base_url):
+    os.makedirs(dest_dir, exist_ok=True)
+    for name in shard_names(num_train):
+        path = os.path.join(dest_dir, name)
+        if os.path.exists(path):
+            try:
+                print(f"{path}: present, {validate_shard(path):,} tokens")
+                continue
+            except ShardError as e:
+                print(f"{e}; downloading it again", file=sys.stderr)
+                os.remove(path)
+        download(f"{base_url}/{name}", path)
+        print(f"{path}: downloaded, {validate_shard(path):,} tokens")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("num_train", nargs="?", type=int, default=8, help="train shards (the record reads 7)")
+    parser.add_argument("--dest", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb10B"))
+    parser.add_argument("--base-url", default=BASE_URL)
+    args = parser.parse_args(argv)
+    try:
+        fetch_all(args.num_train, args.dest, args.base_url)
+    except (ShardError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
