@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-cmake --preset release >/dev/null
+[[ -f build/CMakeCache.txt ]] || cmake --preset release >/dev/null
 cmake --build --preset release --target train_gpt
 
 if compgen -G "data/fineweb10B/fineweb_train_*.bin" >/dev/null; then
