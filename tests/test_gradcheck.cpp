@@ -66,7 +66,10 @@ void check_all_parameters(const Setup& s, double tolerance) {
   for (size_t p = 0; p < specs.size(); ++p) {
     std::vector<double> u(grads[p].size());
     double norm = 0;
-    for (double& v : u) norm += (v = normal(rng)) * v;
+    for (double& v : u) {
+      v = normal(rng);
+      norm += v * v;
+    }
     for (double& v : u) v /= std::sqrt(norm);
     double analytic = 0;
     for (size_t i = 0; i < u.size(); ++i) analytic += grads[p][i] * u[i];

@@ -375,6 +375,26 @@ inline std::vector<double> qkv_part(const std::vector<double>& qkv, int T, int I
   return out;
 }
 
+// Softcapped cross-entropy (SPEC 1.2.7) of logits [T, V]: token losses [T] returned through
+// `losses`; if dlogits is given, the gradient of the summed loss [T, V].
+inline void softcap_cross_entropy(const double* logits, const uint16_t* targets, int T, int V, double cap,
+                                  double divisor, double* losses, double* dlogits) {
+  std::vector<double> z(V);
+  for (int t = 0; t < T; ++t) {
+    const double* l = logits + size_t(t) * V;
+    double zmax = -1e300, sum = 0;
+    for (int v = 0; v < V; ++v) zmax = std::max(zmax, z[v] = cap / (1 + std::exp(-l[v] / divisor)));
+    for (int v = 0; v < V; ++v) sum += std::exp(z[v] - zmax);
+    losses[t] = zmax + std::log(sum) - z[targets[t]];
+    if (!dlogits) continue;
+    for (int v = 0; v < V; ++v) {
+      double sig = 1 / (1 + std::exp(-l[v] / divisor));
+      double dz = std::exp(z[v] - zmax) / sum - (v == targets[t]);
+      dlogits[size_t(t) * V + v] = dz * cap * sig * (1 - sig) / divisor;
+    }
+  }
+}
+
 class Model {
  public:
   Model(const ModelConfig& c, const Tensors& w, const MicroSequence& seq)
@@ -510,38 +530,19 @@ class Model {
     }
     logits_.resize(size_t(T_) * V);
     matmul_nt(head_x_.data(), head_w_.data(), logits_.data(), T_, d_, V);
+    for (double& l : logits_) l *= out_scale;
+    std::vector<double> losses(T_);
+    dlogits_.resize(logits_.size());
+    softcap_cross_entropy(logits_.data(), seq_.targets, T_, V, c_.softcap, c_.softcap_divisor, losses.data(),
+                          dlogits_.data());
     double loss = 0;
-    if (token_losses) token_losses->assign(T_, 0.0);
-    probs_.resize(logits_.size());
-    for (int t = 0; t < T_; ++t) {
-      double* z = &probs_[size_t(t) * V];
-      double zmax = -1e300;
-      for (int v = 0; v < V; ++v) {
-        double& l = logits_[size_t(t) * V + v];
-        l *= out_scale;
-        z[v] = c_.softcap / (1 + std::exp(-l / c_.softcap_divisor));
-        zmax = std::max(zmax, z[v]);
-      }
-      double sum = 0;
-      for (int v = 0; v < V; ++v) sum += std::exp(z[v] - zmax);
-      double token_loss = zmax + std::log(sum) - z[seq_.targets[t]];
-      for (int v = 0; v < V; ++v) z[v] = std::exp(z[v] - zmax) / sum;  // now softmax probabilities
-      loss += token_loss;
-      if (token_losses) (*token_losses)[t] = token_loss;
-    }
+    for (double l : losses) loss += l;
+    if (token_losses) *token_losses = losses;
     return loss;
   }
 
   std::vector<double> head_backward(Tensors& g) {
-    const int V = c_.vocab_size;
-    std::vector<double> dlogits(logits_.size());
-    for (int t = 0; t < T_; ++t)
-      for (int v = 0; v < V; ++v) {
-        size_t i = size_t(t) * V + v;
-        double sig = 1 / (1 + std::exp(-logits_[i] / c_.softcap_divisor));
-        double dz = probs_[i] - (v == seq_.targets[t]);
-        dlogits[i] = dz * c_.softcap * sig * (1 - sig) / c_.softcap_divisor;
-      }
+    std::vector<double> dlogits = dlogits_;
     double dx_scale = 1.0, dw_scale = 1.0;
     if (use_fp8_) {
       Fp8Scales s(d_);
@@ -550,7 +551,7 @@ class Model {
       dw_scale = s.grad * s.x;
     }
     std::vector<double> dxf(xf_.size()), dw(head_w_.size(), 0.0);
-    matmul_nt_backward(head_x_.data(), head_w_.data(), dlogits.data(), dxf.data(), dw.data(), T_, d_, V);
+    matmul_nt_backward(head_x_.data(), head_w_.data(), dlogits.data(), dxf.data(), dw.data(), T_, d_, c_.vocab_size);
     for (double& v : dxf) v *= dx_scale;
     add_scaled(g[ix_.lm_head], dw, dw_scale);
     std::vector<double> dx(x_final_.size(), 0.0);
@@ -621,7 +622,7 @@ class Model {
   int T_, d_;
   bool training_ = true, use_fp8_ = false;
   std::vector<char> mask_long_, mask_short_;
-  std::vector<double> emb_, x0_, x_final_, xf_, head_x_, head_w_, logits_, probs_;
+  std::vector<double> emb_, x0_, x_final_, xf_, head_x_, head_w_, logits_, dlogits_;
   std::vector<std::vector<double>> skip_out_;
   std::vector<LayerCache> cache_;
 };
