@@ -1,11 +1,6 @@
 // The GPU toolchain end to end: device present and Hopper, a kernel runs and writes every element,
 // cuBLASLt and NCCL load. Skips (exit 77) when no GPU is present.
-#include "check.h"
-#include "kernels/cuda_check.cuh"
-
-#include <vector>
-
-static constexpr int kSkipExitCode = 77;
+#include "gpu/gpu_test.h"
 
 __global__ void fill_index_squared(float* out, int n) {  // out: [n]
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -40,11 +35,4 @@ TEST_CASE("cuBLASLt and NCCL load") {
   CHECK(nccl_version >= 22800);
 }
 
-int main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return kSkipExitCode;
-  }
-  return check::run_checks();
-}
+int main() { return run_gpu_checks(); }

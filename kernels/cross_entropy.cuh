@@ -1,0 +1,64 @@
+// Softcapped cross-entropy over the padded vocabulary (SPEC 1.2.7), forward and backward fused:
+// z = cap * sigmoid(logit / divisor), loss_t = logsumexp(z_t) - z_t[target]. One block per token;
+// its row of bf16 logits is read once into shared memory, and the gradient of the SUMMED loss
+// (times grad_scale) overwrites the logits in place: no probability tensor is ever stored.
+#pragma once
+#include "kernels/cuda_check.cuh"
+#include "kernels/device_utils.cuh"
+
+#include <stdexcept>
+#include <string>
+
+struct Softcap {
+  float cap = 30.0f;
+  float divisor = 7.5f * 27.712812921102035f;  // 7.5 * sqrt(768)
+};
+
+constexpr int kCrossEntropyThreads = 1024;
+
+// logits [T, V] bf16 (overwritten by dlogits when grad_scale != 0), targets [T], losses [T] fp32.
+// z <= cap, so exp(z - cap) never overflows and logsumexp needs no running maximum.
+__global__ void __launch_bounds__(kCrossEntropyThreads)
+softcap_cross_entropy_kernel(bf16* logits, const uint16_t* targets, float* losses, int V, Softcap sc,
+                             float grad_scale) {
+  extern __shared__ Bf16x8 row_smem[];  // [V / 8]
+  const int t = blockIdx.x, vectors = V / 8;
+  bf16* row = logits + size_t(t) * V;
+  float sum = 0;
+  for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
+    Bf16x8 x = reinterpret_cast<const Bf16x8*>(row)[i];
+    row_smem[i] = x;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float sig = 1.0f / (1.0f + __expf(-__bfloat162float(x.v[j]) / sc.divisor));
+      sum += __expf(sc.cap * sig - sc.cap);
+    }
+  }
+  sum = block_sum(sum);
+  int target = targets[t];
+  float z_target = sc.cap / (1.0f + __expf(-__bfloat162float(reinterpret_cast<const bf16*>(row_smem)[target]) / sc.divisor));
+  if (threadIdx.x == 0) losses[t] = sc.cap + logf(sum) - z_target;
+  if (grad_scale == 0.0f) return;
+  float inv_sum = 1.0f / sum;
+  for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
+    float g[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float sig = 1.0f / (1.0f + __expf(-__bfloat162float(row_smem[i].v[j]) / sc.divisor));
+      float p = __expf(sc.cap * sig - sc.cap) * inv_sum;
+      float dz = p - (i * 8 + j == target ? 1.0f : 0.0f);
+      g[j] = grad_scale * dz * sc.cap * sig * (1.0f - sig) / sc.divisor;
+    }
+    store8(row + i * 8, g);
+  }
+}
+
+// grad_scale = 1: the gradient of the summed loss (training); 0: losses only (evaluation).
+inline void softcap_cross_entropy(bf16* logits, const uint16_t* targets, float* losses, int T, int V,
+                                  float grad_scale, cudaStream_t stream, Softcap sc = {}) {
+  if (V % 8) throw std::invalid_argument("cross entropy: vocab " + std::to_string(V) + " is not a multiple of 8");
+  size_t smem = size_t(V) * sizeof(bf16);
+  CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  softcap_cross_entropy_kernel<<<T, kCrossEntropyThreads, smem, stream>>>(logits, targets, losses, V, sc, grad_scale);
+  CUDA_CHECK_LAUNCH();
+}

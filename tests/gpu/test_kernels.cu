@@ -1,0 +1,190 @@
+// The pointwise, normalisation, loss, matmul and optimizer kernels against the CPU reference
+// (tests/reference/) on fresh random inputs, at small and record shapes, outputs poisoned first.
+// Bounds (../.library/device/METHOD.md): bf16 outputs 5e-3 (one bf16 rounding is ~2e-3), fp32
+// outputs from bf16 operands 1e-4, pure fp32 arithmetic 1e-5.
+#include "gpu/gpu_test.h"
+#include "kernels/activations.cuh"
+#include "kernels/cross_entropy.cuh"
+#include "kernels/matmul.cuh"
+#include "kernels/norms.cuh"
+#include "kernels/optimizers.cuh"
+#include "kernels/rope.cuh"
+#include "reference/optim.h"
+
+namespace {
+
+constexpr double kBf16Bound = 5e-3, kFp32FromBf16Bound = 1e-4, kFp32Bound = 1e-5;
+
+// Rows [first, first + count) of a row-major [rows, cols] matrix.
+std::vector<double> rows_of(const std::vector<double>& m, int cols, int first, int count) {
+  return std::vector<double>(m.begin() + size_t(first) * cols, m.begin() + size_t(first + count) * cols);
+}
+
+// The three products of a linear layer at tokens x in -> out; the CPU checks `check_rows` rows.
+void check_linear_layer(int tokens, int in, int out, int check_rows, uint64_t seed) {
+  std::printf("  linear %d x %d -> %d\n", tokens, in, out);
+  std::vector<double> x = rounded_to_bf16(random_normal(size_t(tokens) * in, seed));
+  std::vector<double> w = rounded_to_bf16(random_normal(size_t(out) * in, seed + 1, 0.02));
+  std::vector<double> dy = rounded_to_bf16(random_normal(size_t(tokens) * out, seed + 2));
+  DeviceBuffer<bf16> dx_in(to_bf16(x)), dw_in(to_bf16(w)), ddy(to_bf16(dy));
+  DeviceBuffer<bf16> y(size_t(tokens) * out), dx(size_t(tokens) * in);
+  DeviceBuffer<float> dw(size_t(out) * in);
+  y.poison();
+  dx.poison();
+  std::vector<double> dw_prior = random_normal(size_t(out) * in, seed + 3);  // beta = 1 accumulates onto it
+  std::vector<float> dw_prior_f(dw_prior.begin(), dw_prior.end());
+  dw.upload(dw_prior_f);
+  Matmul matmul;
+  matmul(dx_in.get(), Transpose::N, dw_in.get(), Transpose::T, y.get(), tokens, out, in, CUDA_R_16BF, 0);
+  matmul(ddy.get(), Transpose::N, dw_in.get(), Transpose::N, dx.get(), tokens, in, out, CUDA_R_16BF, 0);
+  matmul(ddy.get(), Transpose::T, dx_in.get(), Transpose::N, dw.get(), out, in, tokens, CUDA_R_32F, 0, 1.0f, 1.0f);
+  std::vector<double> y_gpu = to_double(y.download()), dx_gpu = to_double(dx.download()), dw_gpu = to_double(dw.download());
+
+  int first = (tokens - check_rows) / 2;  // rows in the middle: not only the first tile
+  std::vector<double> x_rows = rows_of(x, in, first, check_rows), dy_rows = rows_of(dy, out, first, check_rows);
+  std::vector<double> y_ref(size_t(check_rows) * out), dx_ref(size_t(check_rows) * in), dw_scratch(w.size(), 0.0);
+  ref::matmul_nt(x_rows.data(), w.data(), y_ref.data(), check_rows, in, out);
+  ref::matmul_nt_backward(x_rows.data(), w.data(), dy_rows.data(), dx_ref.data(), dw_scratch.data(), check_rows, in, out);
+  std::vector<double> y_rows = rows_of(y_gpu, out, first, check_rows), dx_rows = rows_of(dx_gpu, in, first, check_rows);
+  CHECK_REL_ERROR(y_rows, y_ref, kBf16Bound);
+  CHECK_REL_ERROR(dx_rows, dx_ref, kBf16Bound);
+  // dW needs every token: check `check_rows` output rows of it over the whole batch.
+  int wrows = std::min(check_rows, out);
+  std::vector<double> dw_ref = rows_of(dw_prior, in, 0, wrows);
+  for (int o = 0; o < wrows; ++o)
+    for (int t = 0; t < tokens; ++t)
+      for (int k = 0; k < in; ++k) dw_ref[size_t(o) * in + k] += dy[size_t(t) * out + o] * x[size_t(t) * in + k];
+  std::vector<double> dw_rows = rows_of(dw_gpu, in, 0, wrows);
+  CHECK_REL_ERROR(dw_rows, dw_ref, kFp32FromBf16Bound);
+  CHECK(all_finite(y_gpu) && all_finite(dx_gpu) && all_finite(dw_gpu));  // every poisoned element written
+}
+
+}  // namespace
+
+TEST_CASE("matmul: forward, input and weight gradients of a linear layer") {
+  check_linear_layer(256, 768, 3072, 256, 1);
+  check_linear_layer(96, 3072, 768, 96, 2);
+  check_linear_layer(49152, 768, 2304, 48, 3);  // the record's qkv projection
+}
+
+TEST_CASE("rmsnorm forward and backward (accumulating), rows of 768 and 128") {
+  for (auto [rows, n] : std::vector<std::pair<int, int>>{{4096, 768}, {3000, 128}}) {
+    std::vector<double> x = rounded_to_bf16(random_normal(size_t(rows) * n, 10 + n, 3.0));
+    std::vector<double> dy = rounded_to_bf16(random_normal(x.size(), 11 + n));
+    std::vector<double> prior = rounded_to_bf16(random_normal(x.size(), 12 + n));
+    DeviceBuffer<bf16> dx_(to_bf16(x)), ddy(to_bf16(dy)), y(x.size()), dx(to_bf16(prior));
+    y.poison();
+    rmsnorm_forward(dx_.get(), y.get(), rows, n, 0);
+    rmsnorm_backward(dx_.get(), ddy.get(), dx.get(), rows, n, /*accumulate=*/true, 0);
+    std::vector<double> y_ref(x.size()), dx_ref = prior;
+    ref::rmsnorm(x.data(), y_ref.data(), rows, n, kRmsEps);
+    ref::rmsnorm_backward(x.data(), dy.data(), dx_ref.data(), rows, n, kRmsEps);
+    std::vector<double> y_gpu = to_double(y.download()), dx_gpu = to_double(dx.download());
+    CHECK_REL_ERROR(y_gpu, y_ref, kBf16Bound);
+    CHECK_REL_ERROR(dx_gpu, dx_ref, kBf16Bound);
+  }
+}
+
+TEST_CASE("relu^2 forward and backward") {
+  const size_t n = size_t(4096) * 3072;
+  std::vector<double> u = rounded_to_bf16(random_normal(n, 20)), da = rounded_to_bf16(random_normal(n, 21));
+  DeviceBuffer<bf16> du_(to_bf16(u)), dda(to_bf16(da)), a(n), du(n);
+  a.poison();
+  du.poison();
+  relu_squared_forward(du_.get(), a.get(), n, 0);
+  relu_squared_backward(du_.get(), dda.get(), du.get(), n, 0);
+  std::vector<double> a_ref(n), du_ref(n);
+  for (size_t i = 0; i < n; ++i) {
+    a_ref[i] = u[i] > 0 ? u[i] * u[i] : 0.0;
+    du_ref[i] = u[i] > 0 ? 2 * u[i] * da[i] : 0.0;
+  }
+  std::vector<double> a_gpu = to_double(a.download()), du_gpu = to_double(du.download());
+  CHECK_REL_ERROR(a_gpu, a_ref, kBf16Bound);
+  CHECK_REL_ERROR(du_gpu, du_ref, kBf16Bound);
+}
+
+TEST_CASE("softcapped cross-entropy: token losses and the in-place gradient, vocab 50304 and 96") {
+  for (auto [T, V] : std::vector<std::pair<int, int>>{{128, 50304}, {512, 96}}) {
+    std::vector<double> logits = rounded_to_bf16(random_normal(size_t(T) * V, 30 + V, 150.0));
+    std::vector<uint16_t> targets(T);
+    std::mt19937 rng(31);
+    for (uint16_t& t : targets) t = uint16_t(rng() % V);
+    DeviceBuffer<bf16> dlogits(to_bf16(logits)), eval_logits(to_bf16(logits));
+    DeviceBuffer<uint16_t> dtargets(targets);
+    DeviceBuffer<float> losses(T), eval_losses(T);
+    losses.poison();
+    eval_losses.poison();
+    softcap_cross_entropy(dlogits.get(), dtargets.get(), losses.get(), T, V, 1.0f, 0);
+    softcap_cross_entropy(eval_logits.get(), dtargets.get(), eval_losses.get(), T, V, 0.0f, 0);
+    std::vector<double> loss_ref(T), grad_ref(logits.size());
+    Softcap sc;
+    ref::softcap_cross_entropy(logits.data(), targets.data(), T, V, sc.cap, sc.divisor, loss_ref.data(), grad_ref.data());
+    std::vector<double> loss_gpu = to_double(losses.download()), grad_gpu = to_double(dlogits.download());
+    std::vector<double> eval_gpu = to_double(eval_losses.download()), untouched = to_double(eval_logits.download());
+    CHECK_REL_ERROR(loss_gpu, loss_ref, kFp32Bound);
+    CHECK_REL_ERROR(grad_gpu, grad_ref, kBf16Bound);
+    CHECK(eval_gpu == loss_gpu);
+    CHECK(untouched == logits);  // evaluation leaves the logits alone
+  }
+}
+
+TEST_CASE("qk-norm + half-truncated rope forward and backward, 6 heads of 128") {
+  const int T = 1024, H = 6, I = H * kRopeHeadDim;
+  std::vector<double> qkv = rounded_to_bf16(random_normal(size_t(T) * 3 * I, 40, 2.0));
+  std::vector<double> dq = rounded_to_bf16(random_normal(size_t(T) * I, 41)), dk = rounded_to_bf16(random_normal(size_t(T) * I, 42));
+  std::vector<float> cos_sin;
+  rope_table_host(T, cos_sin);
+  DeviceBuffer<bf16> dqkv_in(to_bf16(qkv)), ddq(to_bf16(dq)), ddk(to_bf16(dk)), q(size_t(T) * I), k(size_t(T) * I);
+  DeviceBuffer<bf16> dqkv(qkv.size());
+  DeviceBuffer<float> dcos(cos_sin);
+  q.poison();
+  k.poison();
+  dqkv.poison();
+  qk_norm_rope_forward(dqkv_in.get(), dcos.get(), q.get(), k.get(), T, H, 0);
+  qk_norm_rope_backward(dqkv_in.get(), ddq.get(), ddk.get(), dcos.get(), dqkv.get(), T, H, 0);
+  std::vector<double> q_gpu = to_double(q.download()), k_gpu = to_double(k.download()), dqkv_gpu = to_double(dqkv.download());
+  for (int which = 0; which < 2; ++which) {
+    std::vector<double> raw = ref::qkv_part(qkv, T, I, which), normed(raw.size()), d_raw(raw.size(), 0.0);
+    ref::rmsnorm(raw.data(), normed.data(), T * H, kRopeHeadDim, kRmsEps);
+    ref::rope(normed.data(), T, H, kRopeHeadDim, false);
+    std::vector<double> g = which == 0 ? dq : dk;
+    ref::rope(g.data(), T, H, kRopeHeadDim, true);
+    ref::rmsnorm_backward(raw.data(), g.data(), d_raw.data(), T * H, kRopeHeadDim, kRmsEps);
+    std::vector<double> fwd_gpu = which == 0 ? q_gpu : k_gpu, bwd_gpu = ref::qkv_part(dqkv_gpu, T, I, which);
+    CHECK_REL_ERROR(fwd_gpu, normed, kBf16Bound);
+    CHECK_REL_ERROR(bwd_gpu, d_raw, kBf16Bound);
+  }
+}
+
+TEST_CASE("adam on a flat slice: fp32 and bf16 (embedding) states, grad scale 1/M fused") {
+  const int64_t n = 6288 * 768;
+  std::vector<double> p0 = random_normal(n, 50), m0 = random_normal(n, 51, 0.01), v0 = random_normal(n, 52, 1e-4);
+  for (double& v : v0) v = std::fabs(v);
+  std::vector<double> g = random_normal(n, 53, 8.0);
+  AdamStep step{0.6f};
+  step.t = 3;
+  step.grad_scale = 1.0f / 8;
+  // fp32 parameter, gradient and states.
+  std::vector<float> pf(p0.begin(), p0.end()), mf(m0.begin(), m0.end()), vf(v0.begin(), v0.end()), gf(g.begin(), g.end());
+  DeviceBuffer<float> dp(pf), dm(mf), dv(vf), dg(gf);
+  adam_update(dp.get(), dg.get(), dm.get(), dv.get(), n, step, 0);
+  std::vector<double> p_ref(pf.begin(), pf.end()), m_ref(mf.begin(), mf.end()), v_ref(vf.begin(), vf.end()), g_ref(n);
+  for (int64_t i = 0; i < n; ++i) g_ref[i] = double(gf[i]) / 8;
+  AdamConfig cfg;
+  adam_update(p_ref.data(), g_ref.data(), m_ref.data(), v_ref.data(), n, step.lr, step.t, cfg);
+  std::vector<double> p_gpu = to_double(dp.download()), m_gpu = to_double(dm.download()), v_gpu = to_double(dv.download());
+  CHECK_REL_ERROR(p_gpu, p_ref, kFp32Bound);
+  CHECK_REL_ERROR(m_gpu, m_ref, kFp32Bound);
+  CHECK_REL_ERROR(v_gpu, v_ref, kFp32Bound);
+  // bf16 parameter, gradient and states, as the reference's embeddings.
+  DeviceBuffer<bf16> bp(to_bf16(p0)), bm(to_bf16(m0)), bv(to_bf16(v0)), bg(to_bf16(g));
+  adam_update(bp.get(), bg.get(), bm.get(), bv.get(), n, step, 0);
+  std::vector<double> pb = rounded_to_bf16(p0), mb = rounded_to_bf16(m0), vb = rounded_to_bf16(v0), gb = rounded_to_bf16(g);
+  for (double& x : gb) x /= 8;
+  adam_update(pb.data(), gb.data(), mb.data(), vb.data(), n, step.lr, step.t, cfg);
+  std::vector<double> pb_gpu = to_double(bp.download()), mb_gpu = to_double(bm.download());
+  CHECK_REL_ERROR(pb_gpu, pb, kBf16Bound);
+  CHECK_REL_ERROR(mb_gpu, mb, kBf16Bound);
+}
+
+int main() { return run_gpu_checks(); }
