@@ -1,0 +1,171 @@
+// Kernel benchmark at the record's shapes (one micro-sequence: T = 49,152 tokens, d = 768,
+// vocab 50,304). Measures the two ceilings first in the same run (device-to-device copy bandwidth,
+// a large cuBLASLt bf16 matmul), then prints per kernel: median time, achieved TB/s or TFLOP/s,
+// and the fraction of the measured ceiling. Usage: bench_kernels [repeats]
+#include "kernels/activations.cuh"
+#include "kernels/cross_entropy.cuh"
+#include "kernels/matmul.cuh"
+#include "kernels/norms.cuh"
+#include "kernels/optimizers.cuh"
+#include "kernels/rope.cuh"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <vector>
+
+namespace {
+
+constexpr int T = 49152, D = 768, F = 3072, QKV = 2304, V = 50304, H = 6;
+
+int g_repeats = 20;
+
+// Median milliseconds of fn over g_repeats timed runs after 3 warm-up runs.
+float median_ms(const std::function<void()>& fn) {
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < g_repeats; ++i) {
+    CUDA_CHECK(cudaEventRecord(start));
+    fn();
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return ms[ms.size() / 2];
+}
+
+// A device buffer of n bf16 values drawn from N(0, scale^2): never zeros.
+bf16* random_bf16(size_t n, float scale, uint64_t seed) {
+  std::vector<bf16> host(n);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  for (bf16& x : host) x = __float2bfloat16(normal(rng));
+  bf16* d = nullptr;
+  CUDA_CHECK(cudaMalloc(&d, n * sizeof(bf16)));
+  CUDA_CHECK(cudaMemcpy(d, host.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <typename X>
+X* device_alloc(size_t n) {
+  X* d = nullptr;
+  CUDA_CHECK(cudaMalloc(&d, n * sizeof(X)));
+  return d;
+}
+
+struct Peaks {
+  double bandwidth_tbs, matmul_tflops;
+};
+
+void row(const char* name, float ms, double bytes, double flops, const Peaks& peaks) {
+  if (flops > 0) {
+    double tflops = flops / ms / 1e9;
+    std::printf("| %-38s | %8.3f | %7.1f TFLOP/s | %5.1f%% |\n", name, ms, tflops, 100 * tflops / peaks.matmul_tflops);
+  } else {
+    double tbs = bytes / ms / 1e9;
+    std::printf("| %-38s | %8.3f | %7.2f TB/s    | %5.1f%% |\n", name, ms, tbs, 100 * tbs / peaks.bandwidth_tbs);
+  }
+}
+
+Peaks measure_peaks(Matmul& matmul) {
+  const size_t copy_bytes = size_t(2) << 30;
+  char *src = device_alloc<char>(copy_bytes), *dst = device_alloc<char>(copy_bytes);
+  CUDA_CHECK(cudaMemset(src, 1, copy_bytes));
+  float copy_ms = median_ms([&] { CUDA_CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); });
+  cudaFree(src);
+  cudaFree(dst);
+  const int n = 8192;
+  bf16 *a = random_bf16(size_t(n) * n, 1.0f, 1), *b = random_bf16(size_t(n) * n, 1.0f, 2), *c = device_alloc<bf16>(size_t(n) * n);
+  float mm_ms = median_ms([&] { matmul(a, Transpose::N, b, Transpose::T, c, n, n, n, CUDA_R_16BF, 0); });
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+  Peaks p{2.0 * copy_bytes / copy_ms / 1e9, 2.0 * n * n * double(n) / mm_ms / 1e9};
+  std::printf("| %-38s | %8.3f | %7.2f TB/s    | 100.0%% |\n", "ceiling: device copy 2 GiB (read+write)", copy_ms, p.bandwidth_tbs);
+  std::printf("| %-38s | %8.3f | %7.1f TFLOP/s | 100.0%% |\n", "ceiling: cuBLASLt bf16 8192^3", mm_ms, p.matmul_tflops);
+  return p;
+}
+
+void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
+  struct Linear { const char* name; int in, out; };
+  for (Linear l : {Linear{"qkv", D, QKV}, Linear{"attn proj", D, D}, Linear{"mlp fc", D, F}, Linear{"mlp proj", F, D},
+                   Linear{"lm_head (bf16)", D, V}}) {
+    bf16 *x = random_bf16(size_t(T) * l.in, 1.0f, 3), *w = random_bf16(size_t(l.out) * l.in, 0.02f, 4);
+    bf16 *y = device_alloc<bf16>(size_t(T) * l.out), *dx = device_alloc<bf16>(size_t(T) * l.in);
+    float* dw = device_alloc<float>(size_t(l.out) * l.in);
+    double flops = 2.0 * T * l.in * double(l.out);
+    char name[64];
+    std::snprintf(name, sizeof name, "matmul %s fwd %dx%d->%d", l.name, T, l.in, l.out);
+    row(name, median_ms([&] { matmul(x, Transpose::N, w, Transpose::T, y, T, l.out, l.in, CUDA_R_16BF, 0); }), 0, flops, peaks);
+    std::snprintf(name, sizeof name, "matmul %s dx", l.name);
+    row(name, median_ms([&] { matmul(y, Transpose::N, w, Transpose::N, dx, T, l.in, l.out, CUDA_R_16BF, 0); }), 0, flops, peaks);
+    std::snprintf(name, sizeof name, "matmul %s dW (fp32 out)", l.name);
+    row(name, median_ms([&] { matmul(y, Transpose::T, x, Transpose::N, dw, l.out, l.in, T, CUDA_R_32F, 0); }), 0, flops, peaks);
+    for (void* p : {(void*)x, (void*)w, (void*)y, (void*)dx, (void*)dw}) cudaFree(p);
+  }
+}
+
+void bench_memory_bound(const Peaks& peaks) {
+  bf16 *x = random_bf16(size_t(T) * D, 2.0f, 5), *y = device_alloc<bf16>(size_t(T) * D), *g = random_bf16(size_t(T) * D, 1.0f, 6);
+  row("rmsnorm fwd [49152, 768]", median_ms([&] { rmsnorm_forward(x, y, T, D, 0); }), 2.0 * T * D * 2, 0, peaks);
+  row("rmsnorm bwd [49152, 768] (accumulate)", median_ms([&] { rmsnorm_backward(x, g, y, T, D, true, 0); }), 4.0 * T * D * 2, 0, peaks);
+  bf16 *u = random_bf16(size_t(T) * F, 1.0f, 7), *a = device_alloc<bf16>(size_t(T) * F);
+  row("relu^2 fwd [49152, 3072]", median_ms([&] { relu_squared_forward(u, a, size_t(T) * F, 0); }), 2.0 * T * F * 2, 0, peaks);
+  row("relu^2 bwd [49152, 3072]", median_ms([&] { relu_squared_backward(u, a, a, size_t(T) * F, 0); }), 3.0 * T * F * 2, 0, peaks);
+  bf16 *qkv = random_bf16(size_t(T) * QKV, 1.0f, 8), *q = device_alloc<bf16>(size_t(T) * D), *k = device_alloc<bf16>(size_t(T) * D);
+  std::vector<float> cs;
+  rope_table_host(T, cs);
+  float* cos_sin = device_alloc<float>(cs.size());
+  CUDA_CHECK(cudaMemcpy(cos_sin, cs.data(), cs.size() * 4, cudaMemcpyHostToDevice));
+  double rope_bytes = 4.0 * T * D * 2 + cs.size() * 4.0;  // read q, k parts; write q, k; table
+  row("qk-norm+rope fwd [49152, 6, 128] x2", median_ms([&] { qk_norm_rope_forward(qkv, cos_sin, q, k, T, H, 0); }), rope_bytes, 0, peaks);
+  row("qk-norm+rope bwd", median_ms([&] { qk_norm_rope_backward(qkv, q, k, cos_sin, qkv, T, H, 0); }), 6.0 * T * D * 2 + cs.size() * 4.0, 0, peaks);
+  bf16* logits = random_bf16(size_t(T) * V, 100.0f, 9);
+  uint16_t* targets = device_alloc<uint16_t>(T);
+  CUDA_CHECK(cudaMemset(targets, 1, T * sizeof(uint16_t)));
+  float* losses = device_alloc<float>(T);
+  // Timed on the same buffer: after the first call it holds gradients, which are valid logits too.
+  row("cross-entropy fwd+bwd [49152, 50304]", median_ms([&] { softcap_cross_entropy(logits, targets, losses, T, V, 1.0f, 0); }),
+      2.0 * T * V * 2, 0, peaks);
+  const int64_t adam_n = int64_t(V) * D;
+  float *p = device_alloc<float>(adam_n), *m = device_alloc<float>(adam_n), *v = device_alloc<float>(adam_n), *gr = device_alloc<float>(adam_n);
+  for (float* b : {p, m, v, gr}) CUDA_CHECK(cudaMemset(b, 0x3c, adam_n * 4));  // ~0.01: positive, non-zero
+  AdamStep step{0.22f};
+  step.t = 1;
+  step.grad_scale = 0.125f;
+  row("adam fp32 [50304 x 768]", median_ms([&] { adam_update(p, gr, m, v, adam_n, step, 0); }), 7.0 * adam_n * 4, 0, peaks);
+  for (void* b : {(void*)x, (void*)y, (void*)g, (void*)u, (void*)a, (void*)qkv, (void*)q, (void*)k, (void*)cos_sin,
+                  (void*)logits, (void*)targets, (void*)losses, (void*)p, (void*)m, (void*)v, (void*)gr})
+    cudaFree(b);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1) g_repeats = std::max(1, std::atoi(argv[1]));
+  try {
+    require_hopper_gpu(0);
+    cudaDeviceProp prop{};
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("%s, %d SMs, median of %d runs\n\n", prop.name, prop.multiProcessorCount, g_repeats);
+    std::printf("| %-38s | %8s | %-15s | %6s |\n|---|---|---|---|\n", "kernel", "ms", "achieved", "of peak");
+    Matmul matmul;
+    Peaks peaks = measure_peaks(matmul);
+    bench_matmuls(matmul, peaks);
+    bench_memory_bound(peaks);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
