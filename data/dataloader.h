@@ -186,10 +186,14 @@ class PrefetchLoader {
     for (int j = rank; j < plan_.micro_count(); j += world_size) ++num_micro;
     size_t bytes = std::max<size_t>(1, size_t(num_micro) * (plan_.micro_len() + 1) * sizeof(uint16_t));
     HostAlloc allocate = alloc ? alloc : HostAlloc([](size_t n) { return std::malloc(n); });
-    slots_.resize(depth + 1);  // depth filled ahead + the one handed out last
-    for (Slot& s : slots_) {
-      s.batch = {0, num_micro, plan_.micro_len(), static_cast<uint16_t*>(allocate(bytes))};
-      if (!s.batch.tokens) throw DataError("cannot allocate " + std::to_string(bytes) + " bytes of host buffer");
+    for (int i = 0; i < depth + 1; ++i) {  // depth filled ahead + the one handed out last
+      auto* buffer = static_cast<uint16_t*>(allocate(bytes));
+      if (!buffer) {
+        free_buffers();
+        throw DataError("cannot allocate " + std::to_string(bytes) + " bytes of host buffer");
+      }
+      buffers_.push_back(buffer);
+      batches_.push_back({0, num_micro, plan_.micro_len(), buffer});
     }
     worker_ = std::thread([this] { fill_loop(); });
   }
@@ -201,7 +205,7 @@ class PrefetchLoader {
     }
     cv_.notify_all();
     worker_.join();
-    for (Slot& s : slots_) free_(const_cast<uint16_t*>(s.batch.tokens));
+    free_buffers();
   }
 
   const RankBatch& next() {
@@ -214,35 +218,42 @@ class PrefetchLoader {
     cv_.wait(lock, [&] { return filled_ > consumed_ || error_; });
     if (filled_ == consumed_ && error_) std::rethrow_exception(error_);
     handed_out_ = true;
-    return slots_[consumed_ % slots_.size()].batch;
+    return batches_[consumed_ % batches_.size()];
   }
 
  private:
-  struct Slot {
-    RankBatch batch;
-  };
-
   void fill_loop() {
     try {
       for (;;) {
         {
           std::unique_lock<std::mutex> lock(mutex_);
-          cv_.wait(lock, [&] { return stop_ || filled_ - consumed_ < int64_t(slots_.size()); });
+          cv_.wait(lock, [&] { return stop_ || filled_ - consumed_ < int64_t(buffers_.size()); });
           if (stop_) return;
         }
         GlobalWindow w = plan_.next();
-        Slot& s = slots_[filled_ % slots_.size()];
-        copy_rank_micro_sequences(w, const_cast<uint16_t*>(s.batch.tokens));
-        s.batch.step = w.step;
+        size_t slot = filled_ % buffers_.size();
+        copy_rank_micro_sequences(w, buffers_[slot]);
+        batches_[slot].step = w.step;
         std::lock_guard<std::mutex> lock(mutex_);
         ++filled_;
         cv_.notify_all();
       }
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      error_ = std::current_exception();
-      cv_.notify_all();
+    } catch (const DataError&) {
+      fail(std::current_exception());
+    } catch (const std::exception& e) {  // e.g. bad_alloc reading a shard: still a data error to the caller
+      fail(std::make_exception_ptr(DataError(std::string("data loader thread failed: ") + e.what())));
     }
+  }
+
+  void fail(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    error_ = error;
+    cv_.notify_all();
+  }
+
+  void free_buffers() {
+    for (uint16_t* buffer : buffers_) free_(buffer);
+    buffers_.clear();
   }
 
   void copy_rank_micro_sequences(const GlobalWindow& w, uint16_t* out) const {
@@ -254,7 +265,8 @@ class PrefetchLoader {
   BatchPlan plan_;
   int rank_, world_size_;
   HostFree free_;
-  std::vector<Slot> slots_;
+  std::vector<uint16_t*> buffers_;  // a ring of depth + 1, each [num_micro * (T + 1)]
+  std::vector<RankBatch> batches_;  // batches_[i].tokens == buffers_[i]
   std::thread worker_;
   std::mutex mutex_;
   std::condition_variable cv_;

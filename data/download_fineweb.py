@@ -11,6 +11,7 @@ import argparse
 import os
 import struct
 import sys
+import urllib.error
 import urllib.request
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main"
@@ -44,6 +45,20 @@ def download(url, dest):
     """Fetches url into dest, resuming dest + '.part' if present."""
     part = dest + ".part"
     have = os.path.getsize(part) if os.path.exists(part) else 0
+    try:
+        append_from(url, part, have)
+    except urllib.error.HTTPError as e:
+        if e.code != 416:  # 416: the range starts at the end, so the .part already holds everything
+            raise
+    try:
+        validate_shard(part)
+    except ShardError:
+        os.remove(part)  # resuming a corrupt .part would never succeed: the next run starts over
+        raise
+    os.replace(part, dest)
+
+
+def append_from(url, part, have):
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     with urllib.request.urlopen(request) as response:
         if have and response.status != 206:  # the server ignored the range: start over
@@ -51,8 +66,6 @@ def download(url, dest):
         with open(part, "ab" if have else "wb") as out:
             while chunk := response.read(CHUNK):
                 out.write(chunk)
-    validate_shard(part)
-    os.replace(part, dest)
 
 
 def shard_names(num_train):

@@ -70,21 +70,28 @@ class SimulatedWorld {
   int world_size() const { return world_size_; }
 
   // Runs per_rank on W threads and joins them. If a rank throws, the others are released from
-  // any collective they wait in, and the first exception is rethrown here: nothing hangs.
+  // any collective they wait in (with WorldAborted), and the error of the lowest rank that failed
+  // on its own is rethrown here (deterministic, unlike "first in time"): nothing hangs.
   void run(const std::function<void(Communicator&)>& per_rank) {
     aborted_ = false;
     std::vector<std::exception_ptr> errors(world_size_);
     std::vector<std::thread> threads;
-    for (int r = 0; r < world_size_; ++r)
-      threads.emplace_back([&, r] {
-        Rank comm(*this, r);
-        try {
-          per_rank(comm);
-        } catch (...) {
-          errors[r] = std::current_exception();
-          abort_all();
-        }
-      });
+    try {
+      for (int r = 0; r < world_size_; ++r)
+        threads.emplace_back([&, r] {
+          Rank comm(*this, r);
+          try {
+            per_rank(comm);
+          } catch (...) {
+            errors[r] = std::current_exception();
+            abort_all();
+          }
+        });
+    } catch (...) {  // a thread could not start: release the started ones before failing
+      abort_all();
+      for (std::thread& t : threads) t.join();
+      throw;
+    }
     for (std::thread& t : threads) t.join();
     std::exception_ptr first_real = nullptr, first_any = nullptr;
     for (const std::exception_ptr& e : errors) {
@@ -134,14 +141,17 @@ class SimulatedWorld {
     int rank_;
   };
 
+  // out: [count] = rank-order sum of every posted send's chunk `rank`, accumulated in T so that
+  // the result does not depend on thread timing. The test-only faults are read once per call.
   template <typename T>
   void reduce_chunk(int rank, T* out, size_t count) const {
-    int contributors = world_size_;
-    if (injected_fault() == Fault::drop_rank_contribution && world_size_ > 1) --contributors;
+    const Fault fault = injected_fault();
+    const int contributors = fault == Fault::drop_rank_contribution && world_size_ > 1 ? world_size_ - 1 : world_size_;
+    const bool average = fault == Fault::avg_instead_of_sum;
     for (size_t i = 0; i < count; ++i) {
       T sum = 0;
       for (int q = 0; q < contributors; ++q) sum += static_cast<const T*>(posted_[q])[rank * count + i];
-      out[i] = injected_fault() == Fault::avg_instead_of_sum ? sum / world_size_ : sum;
+      out[i] = average ? sum / T(world_size_) : sum;
     }
   }
   void reduce_own_chunk(int rank, void* recv, size_t count, DType dtype) const {

@@ -23,6 +23,7 @@ softcap_cross_entropy_kernel(bf16* logits, const uint16_t* targets, float* losse
                              float grad_scale) {
   extern __shared__ Bf16x8 row_smem[];  // [V / 8]
   const int t = blockIdx.x, vectors = V / 8;
+  const float inv_divisor = 1.0f / sc.divisor;
   bf16* row = logits + size_t(t) * V;
   float sum = 0;
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
@@ -30,13 +31,14 @@ softcap_cross_entropy_kernel(bf16* logits, const uint16_t* targets, float* losse
     row_smem[i] = x;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float sig = 1.0f / (1.0f + __expf(-__bfloat162float(x.v[j]) / sc.divisor));
+      float sig = __fdividef(1.0f, 1.0f + __expf(-__bfloat162float(x.v[j]) * inv_divisor));
       sum += __expf(sc.cap * sig - sc.cap);
     }
   }
   sum = block_sum(sum);
   int target = targets[t];
-  float z_target = sc.cap / (1.0f + __expf(-__bfloat162float(reinterpret_cast<const bf16*>(row_smem)[target]) / sc.divisor));
+  float z_target =
+      __fdividef(sc.cap, 1.0f + __expf(-__bfloat162float(reinterpret_cast<const bf16*>(row_smem)[target]) * inv_divisor));
   if (threadIdx.x == 0) losses[t] = sc.cap + logf(sum) - z_target;
   if (grad_scale == 0.0f) return;
   float inv_sum = 1.0f / sum;
@@ -44,10 +46,10 @@ softcap_cross_entropy_kernel(bf16* logits, const uint16_t* targets, float* losse
     float g[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float sig = 1.0f / (1.0f + __expf(-__bfloat162float(row_smem[i].v[j]) / sc.divisor));
+      float sig = __fdividef(1.0f, 1.0f + __expf(-__bfloat162float(row_smem[i].v[j]) * inv_divisor));
       float p = __expf(sc.cap * sig - sc.cap) * inv_sum;
       float dz = p - (i * 8 + j == target ? 1.0f : 0.0f);
-      g[j] = grad_scale * dz * sc.cap * sig * (1.0f - sig) / sc.divisor;
+      g[j] = dz * (grad_scale * sc.cap * inv_divisor) * sig * (1.0f - sig);
     }
     store8(row + i * 8, g);
   }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 enum class OptimizerKind { adam, muon };
@@ -18,8 +19,8 @@ struct ParamInfo {
 // Rank r owns rows [r * rows_per_rank, (r + 1) * rows_per_rank) of the padded parameter; the pad
 // rows past `rows` exist only in communication buffers and are never read as data.
 struct AdamShard {
-  int param;
-  int64_t rows, row_elems, rows_per_rank;
+  int param;                               // index into the planner's parameter list
+  int64_t rows, row_elems, rows_per_rank;  // rows_per_rank = ceil(rows / world_size)
   int world_size;
 
   int64_t padded_rows() const { return rows_per_rank * world_size; }
@@ -51,14 +52,17 @@ struct ShardPlan {
   std::vector<AdamShard> adam;  // Adam parameters in parameter order
   std::vector<MuonGroup> muon;  // groups in order of first appearance
 
+  // Parameter indices, group by group and chunk by chunk: the order in which the owner updates them.
   std::vector<int> muon_params_owned_by(int rank) const {
     std::vector<int> owned;
     for (const MuonGroup& g : muon)
       for (const MuonChunk& c : g.chunks)
-        if (c.owner_param[rank] >= 0) owned.push_back(c.owner_param[rank]);
+        if (c.owner_param.at(rank) >= 0) owned.push_back(c.owner_param[rank]);
     return owned;
   }
 };
+
+namespace sharding_detail {
 
 inline void validate_param(const ParamInfo& p) {
   if (p.shape.empty()) throw std::invalid_argument("parameter '" + p.name + "' has no dimensions");
@@ -75,26 +79,37 @@ inline MuonGroup& muon_group_of(std::vector<MuonGroup>& groups, const std::vecto
   return groups.back();
 }
 
+inline AdamShard adam_shard(int param, const std::vector<int64_t>& shape, int world_size) {
+  int64_t rows = shape[0], row_elems = 1;  // a 1-D parameter is a column of single-element rows
+  for (size_t d = 1; d < shape.size(); ++d) row_elems *= shape[d];
+  return {param, rows, row_elems, (rows + world_size - 1) / world_size, world_size};
+}
+
+// Chunk k holds members [kW, kW + W); a rank past the group's end owns nothing (-1) in the last chunk.
+inline std::vector<MuonChunk> muon_chunks(const std::vector<int>& members, int world_size) {
+  std::vector<MuonChunk> chunks;
+  for (size_t base = 0; base < members.size(); base += world_size) {
+    MuonChunk chunk{std::vector<int>(world_size, -1)};
+    for (int r = 0; r < world_size && base + r < members.size(); ++r) chunk.owner_param[r] = members[base + r];
+    chunks.push_back(std::move(chunk));
+  }
+  return chunks;
+}
+
+}  // namespace sharding_detail
+
+// world_size >= 1. A Muon parameter needs >= 2 dims, an Adam one >= 1; bad input throws
+// std::invalid_argument naming the parameter.
 inline ShardPlan plan_shards(const std::vector<ParamInfo>& params, int world_size) {
+  using namespace sharding_detail;
   if (world_size < 1) throw std::invalid_argument("world size " + std::to_string(world_size) + " < 1");
   ShardPlan plan;
   plan.world_size = world_size;
   for (int p = 0; p < int(params.size()); ++p) {
-    const ParamInfo& info = params[p];
-    validate_param(info);
-    if (info.optimizer == OptimizerKind::muon) {
-      muon_group_of(plan.muon, info.shape).params.push_back(p);
-      continue;
-    }
-    int64_t rows = info.shape[0], row_elems = 1;
-    for (size_t d = 1; d < info.shape.size(); ++d) row_elems *= info.shape[d];
-    plan.adam.push_back({p, rows, row_elems, (rows + world_size - 1) / world_size, world_size});
+    validate_param(params[p]);
+    if (params[p].optimizer == OptimizerKind::muon) muon_group_of(plan.muon, params[p].shape).params.push_back(p);
+    else plan.adam.push_back(adam_shard(p, params[p].shape, world_size));
   }
-  for (MuonGroup& g : plan.muon)
-    for (size_t base = 0; base < g.params.size(); base += world_size) {
-      MuonChunk chunk{std::vector<int>(world_size, -1)};
-      for (int r = 0; r < world_size && base + r < g.params.size(); ++r) chunk.owner_param[r] = g.params[base + r];
-      g.chunks.push_back(chunk);
-    }
+  for (MuonGroup& g : plan.muon) g.chunks = muon_chunks(g.params, world_size);
   return plan;
 }

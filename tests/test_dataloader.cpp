@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <optional>
 #include <set>
 
 namespace {
@@ -22,12 +23,13 @@ std::string temp_dir() {
 
 // Writes a shard with the given header fields and tokens; returns its path.
 std::string write_shard(const std::string& name, const std::vector<uint16_t>& tokens, int32_t magic = kShardMagic,
-                        int32_t version = kShardVersion, int64_t header_count = -1, size_t extra_bytes = 0) {
+                        int32_t version = kShardVersion, std::optional<int32_t> header_count = {},
+                        size_t extra_bytes = 0) {
   std::string path = temp_dir() + "/" + name;
   std::vector<int32_t> header(kShardHeaderInts, 0);
   header[0] = magic;
   header[1] = version;
-  header[2] = int32_t(header_count >= 0 ? header_count : int64_t(tokens.size()));
+  header[2] = header_count.value_or(int32_t(tokens.size()));
   std::ofstream f(path, std::ios::binary);
   f.write(reinterpret_cast<const char*>(header.data()), kShardHeaderBytes);
   f.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
@@ -70,8 +72,11 @@ TEST_CASE("bad shards: each error names the file and the problem") {
   std::string truncated = write_shard("truncated_tokens.bin", ok, kShardMagic, kShardVersion, 120);
   CHECK_THROWS_WITH(read_shard(truncated, kTokenizerVocab), "truncated_tokens.bin", "size 1224 bytes",
                     "token count 120", "expected 1264 bytes");
-  std::string trailing = write_shard("trailing_bytes.bin", ok, kShardMagic, kShardVersion, -1, 3);
-  CHECK_THROWS_WITH(read_shard(trailing, kTokenizerVocab), "trailing_bytes.bin", "does not match");
+  std::string trailing = write_shard("trailing_bytes.bin", ok, kShardMagic, kShardVersion, {}, 3);
+  CHECK_THROWS_WITH(read_shard(trailing, kTokenizerVocab), "trailing_bytes.bin", "size 1227 bytes",
+                    "token count 100", "expected 1224 bytes");
+  std::string negative = write_shard("negative_count.bin", ok, kShardMagic, kShardVersion, -5);
+  CHECK_THROWS_WITH(read_shard(negative, kTokenizerVocab), "negative_count.bin", "negative token count -5");
   std::string header_only = temp_dir() + "/short_header.bin";
   std::ofstream(header_only, std::ios::binary) << "tiny";
   CHECK_THROWS_WITH(read_shard(header_only, kTokenizerVocab), "short_header.bin", "truncated header");
@@ -166,6 +171,30 @@ TEST_CASE("prefetch loader: each rank gets exactly its micro-sequences, errors s
       CHECK(steps > 20);
     }
   }
+}
+
+TEST_CASE("prefetch loader: the caller's allocator, and ranks with no micro-sequence when W > M") {
+  write_shard("alloc_000.bin", counting_tokens(500, 0));
+  int live = 0, allocations = 0;
+  HostAlloc counting_alloc = [&](size_t n) { ++live, ++allocations; return std::malloc(n); };
+  HostFree counting_free = [&](void* p) { --live; std::free(p); };
+  {
+    const int M = 4, W = 6;
+    PrefetchLoader idle(BatchPlan(temp_dir() + "/alloc_*.bin", 8, M, kTokenizerVocab), 5, W, 2, counting_alloc,
+                        counting_free);
+    const RankBatch& b = idle.next();
+    CHECK(b.step == 0 && b.num_micro == 0 && b.micro_len == 8);
+    CHECK(idle.next().step == 1);
+  }
+  CHECK(allocations == 3 && live == 0);
+}
+
+TEST_CASE("prefetch loader: a bad shard reached mid-run surfaces from next() after the good steps") {
+  write_shard("midrun_000.bin", counting_tokens(8 * 4 * 3 + 2, 0));  // exactly 3 windows of 4 x 8
+  write_shard("midrun_001.bin", counting_tokens(100, 0), 999);
+  PrefetchLoader loader(BatchPlan(temp_dir() + "/midrun_*.bin", 8, 4, kTokenizerVocab), 1, 2, 2);
+  for (int64_t step = 0; step < 3; ++step) CHECK(loader.next().step == step);
+  CHECK_THROWS_WITH(loader.next(), "midrun_001.bin", "wrong magic 999");
 }
 
 TEST_CASE("prefetch loader: destroyed while its thread waits, without hanging") {

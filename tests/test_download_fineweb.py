@@ -32,6 +32,9 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
         if "Range" in self.headers:
             start = int(self.headers["Range"].split("=")[1].split("-")[0])
             self.ranges_seen.append(start)
+        if start >= len(body):
+            self.send_error(416)
+            return
         self.send_response(206 if start else 200)
         self.send_header("Content-Length", str(len(body) - start))
         self.end_headers()
@@ -68,26 +71,51 @@ class DownloadTest(unittest.TestCase):
             self.assertIn(name, str(e.exception))
             self.assertIn(message, str(e.exception))
 
-    def test_resumes_partial_download_and_skips_valid_shards(self):
-        tokens = list(range(5000))
-        files = {name: shard_bytes(tokens[: 100 + i]) for i, name in enumerate(dl.shard_names(2))}
+    def serve(self, files):
         RangeHandler.files, RangeHandler.ranges_seen = files, []
         server = http.server.HTTPServer(("127.0.0.1", 0), RangeHandler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        try:
-            base = f"http://127.0.0.1:{server.server_port}"
-            val = dl.shard_names(2)[0]
-            self.write(val + ".part", files[val][:600])  # an interrupted earlier download
-            dl.fetch_all(2, self.dir.name, base)
-            self.assertEqual(RangeHandler.ranges_seen, [600])
-            for name, data in files.items():
-                with open(os.path.join(self.dir.name, name), "rb") as f:
-                    self.assertEqual(f.read(), data)
-            dl.fetch_all(2, self.dir.name, base)  # everything present and valid: nothing fetched
-            self.assertEqual(RangeHandler.ranges_seen, [600])
-        finally:
-            server.shutdown()
-            server.server_close()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    def assert_downloaded(self, files):
+        for name, data in files.items():
+            with open(os.path.join(self.dir.name, name), "rb") as f:
+                self.assertEqual(f.read(), data)
+            self.assertFalse(os.path.exists(os.path.join(self.dir.name, name + ".part")))
+
+    def test_resumes_partial_download_and_skips_valid_shards(self):
+        tokens = list(range(5000))
+        files = {name: shard_bytes(tokens[: 100 + i]) for i, name in enumerate(dl.shard_names(2))}
+        base = self.serve(files)
+        val = dl.shard_names(2)[0]
+        self.write(val + ".part", files[val][:600])  # an interrupted earlier download
+        dl.fetch_all(2, self.dir.name, base)
+        self.assertEqual(RangeHandler.ranges_seen, [600])
+        self.assert_downloaded(files)
+        dl.fetch_all(2, self.dir.name, base)  # everything present and valid: nothing fetched
+        self.assertEqual(RangeHandler.ranges_seen, [600])
+
+    def test_complete_part_is_finished_and_bad_shard_fetched_again(self):
+        files = {name: shard_bytes(list(range(50))) for name in dl.shard_names(1)}
+        base = self.serve(files)
+        val, train = dl.shard_names(1)
+        self.write(val + ".part", files[val])  # interrupted after the last byte, before the rename
+        self.write(train, shard_bytes([1, 2], count=9))  # a corrupt finished shard
+        dl.fetch_all(1, self.dir.name, base)
+        self.assertEqual(RangeHandler.ranges_seen, [len(files[val])])
+        self.assert_downloaded(files)
+
+    def test_corrupt_part_is_removed_so_the_next_run_starts_over(self):
+        val = dl.shard_names(0)[0]
+        base = self.serve({val: shard_bytes([1, 2, 3])})
+        self.write(val + ".part", shard_bytes([1], magic=5)[:700])  # not a prefix of the real file
+        with self.assertRaises(dl.ShardError):
+            dl.fetch_all(0, self.dir.name, base)
+        self.assertFalse(os.path.exists(os.path.join(self.dir.name, val + ".part")))
+        dl.fetch_all(0, self.dir.name, base)
+        self.assert_downloaded({val: shard_bytes([1, 2, 3])})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,265 @@
+// Causal, document-masked, block-sparse sliding-window attention (SPEC 1.4), head_dim 128,
+// scale 0.12, bf16 in and out, fp32 softmax statistics. Blocks outside the window or document
+// are skipped, not masked: each query block walks only its own list of kv blocks.
+//
+// This is the correct baseline (one warp per query or key row, CUDA cores); the tensor-core
+// version replaces the kernels, not the interface. The backward is deterministic: dq per query,
+// dk and dv per key (over the inverse block lists), no atomics.
+#pragma once
+#include "kernels/cuda_check.cuh"
+#include "kernels/device_utils.cuh"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+constexpr int kAttentionHeadDim = 128;
+constexpr int kAttentionBlock = 128;
+constexpr float kAttentionScale = 0.12f;
+
+// The block lists of one micro-sequence for one window size, built as the reference builds its
+// BlockMask: "any" (partial) and "all" (full) blocks, nearest first, partial count clamped to
+// max(window - full, 1) and full count to window - 1.
+struct AttentionBlockLists {
+  int num_blocks = 0, max_kv = 0, max_q = 0;
+  std::vector<int> kv_count, kv_index;  // [num_blocks], [num_blocks, max_kv]: kv blocks of each q block
+  std::vector<int> q_count, q_index;    // [num_blocks], [num_blocks, max_q]: q blocks that attend each kv block
+};
+
+// docs[t] = number of BOS tokens in tokens[0..t] (each document begins with its BOS).
+inline std::vector<int32_t> attention_document_ids(const uint16_t* tokens, int T, uint16_t bos) {
+  std::vector<int32_t> docs(T);
+  int32_t d = 0;
+  for (int t = 0; t < T; ++t) docs[t] = d += tokens[t] == bos;
+  return docs;
+}
+
+inline AttentionBlockLists build_attention_blocks(const std::vector<int32_t>& docs, int window_blocks,
+                                                  int block = kAttentionBlock) {
+  AttentionBlockLists b;
+  b.num_blocks = int(docs.size()) / block;
+  std::vector<std::vector<int>> kv(b.num_blocks), q(b.num_blocks);
+  for (int qb = 0; qb < b.num_blocks; ++qb) {
+    int q_low = docs[qb * block], q_high = docs[qb * block + block - 1];
+    std::vector<int> partial, full;
+    for (int kb = qb; kb >= 0; --kb) {
+      int kv_low = docs[kb * block], kv_high = docs[kb * block + block - 1];
+      if (kb < qb && q_low == kv_high && q_high == kv_low) full.push_back(kb);
+      else if (q_low <= kv_high && q_high >= kv_low) partial.push_back(kb);
+    }
+    int full_keep = std::max(0, std::min(int(full.size()), window_blocks - 1));
+    int partial_keep = std::min(int(partial.size()), std::max(window_blocks - int(full.size()), 1));
+    kv[qb].assign(partial.begin(), partial.begin() + partial_keep);
+    kv[qb].insert(kv[qb].end(), full.begin(), full.begin() + full_keep);
+    for (int kb : kv[qb]) q[kb].push_back(qb);
+  }
+  auto flatten = [&](const std::vector<std::vector<int>>& lists, std::vector<int>& count, std::vector<int>& index, int& width) {
+    width = 1;
+    for (const auto& l : lists) width = std::max(width, int(l.size()));
+    count.assign(b.num_blocks, 0);
+    index.assign(size_t(b.num_blocks) * width, -1);
+    for (int i = 0; i < b.num_blocks; ++i) {
+      count[i] = int(lists[i].size());
+      std::copy(lists[i].begin(), lists[i].end(), index.begin() + size_t(i) * width);
+    }
+  };
+  flatten(kv, b.kv_count, b.kv_index, b.max_kv);
+  flatten(q, b.q_count, b.q_index, b.max_q);
+  return b;
+}
+
+// The block lists and document ids on the device.
+struct DeviceAttentionMask {
+  int num_blocks = 0, max_kv = 0, max_q = 0;
+  int *kv_count = nullptr, *kv_index = nullptr, *q_count = nullptr, *q_index = nullptr;
+  int32_t* docs = nullptr;  // [T]
+};
+
+// Each row (query or key) of q, k, v, y, dy, dq, dk, dv is [H, 128] at a stride of row_stride
+// elements between tokens (q, k, v may live inside the fused qkv buffer); lse, delta are [H, T].
+struct AttentionTensors {
+  int T, H;
+  int64_t q_stride, k_stride, v_stride;  // elements between consecutive tokens
+};
+
+__device__ inline bool attends(const DeviceAttentionMask& m, int t, int s) {
+  return s <= t && m.docs[s] == m.docs[t];
+}
+
+// One warp per (query t, head h): y[t, h] and lse[h, t] by online softmax over the listed blocks.
+__global__ void attention_forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
+                                         AttentionTensors a, DeviceAttentionMask m) {
+  int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= a.T * a.H) return;
+  int t = warp / a.H, h = warp % a.H, qb = t / kAttentionBlock;
+  float qv[4], acc[4] = {0, 0, 0, 0}, row_max = -INFINITY, row_sum = 0;
+  const bf16* qrow = q + t * a.q_stride + h * kAttentionHeadDim + lane * 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) qv[i] = __bfloat162float(qrow[i]) * kAttentionScale;
+  for (int j = 0; j < m.kv_count[qb]; ++j) {
+    int kb = m.kv_index[qb * m.max_kv + j];
+    for (int s = kb * kAttentionBlock; s < (kb + 1) * kAttentionBlock; ++s) {
+      if (!attends(m, t, s)) continue;
+      const bf16* krow = k + s * a.k_stride + h * kAttentionHeadDim + lane * 4;
+      float score = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) score += qv[i] * __bfloat162float(krow[i]);
+      score = warp_sum(score);
+      float new_max = fmaxf(row_max, score), correction = __expf(row_max - new_max), p = __expf(score - new_max);
+      const bf16* vrow = v + s * a.v_stride + h * kAttentionHeadDim + lane * 4;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = acc[i] * correction + p * __bfloat162float(vrow[i]);
+      row_sum = row_sum * correction + p;
+      row_max = new_max;
+    }
+  }
+  bf16* yrow = y + (size_t(t) * a.H + h) * kAttentionHeadDim + lane * 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) yrow[i] = __float2bfloat16(acc[i] / row_sum);
+  if (lane == 0) lse[size_t(h) * a.T + t] = row_max + logf(row_sum);
+}
+
+// delta[h, t] = dot(dy[t, h], y[t, h]): the softmax backward's row term.
+__global__ void attention_delta_kernel(const bf16* y, const bf16* dy, float* delta, int T, int H) {
+  int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= T * H) return;
+  int t = warp / H, h = warp % H;
+  size_t at = (size_t(t) * H + h) * kAttentionHeadDim + lane * 4;
+  float d = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d += __bfloat162float(y[at + i]) * __bfloat162float(dy[at + i]);
+  d = warp_sum(d);
+  if (lane == 0) delta[size_t(h) * T + t] = d;
+}
+
+// One warp per (query t, head h): dq[t, h] = scale * sum_s P_ts (dy_t . v_s - delta_t) k_s.
+__global__ void attention_backward_dq_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dy,
+                                             const float* lse, const float* delta, bf16* dq,
+                                             AttentionTensors a, DeviceAttentionMask m) {
+  int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= a.T * a.H) return;
+  int t = warp / a.H, h = warp % a.H, qb = t / kAttentionBlock;
+  float qv[4], g[4], acc[4] = {0, 0, 0, 0};
+  const bf16* qrow = q + t * a.q_stride + h * kAttentionHeadDim + lane * 4;
+  const bf16* grow = dy + (size_t(t) * a.H + h) * kAttentionHeadDim + lane * 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) qv[i] = __bfloat162float(qrow[i]) * kAttentionScale, g[i] = __bfloat162float(grow[i]);
+  float row_lse = lse[size_t(h) * a.T + t], row_delta = delta[size_t(h) * a.T + t];
+  for (int j = 0; j < m.kv_count[qb]; ++j) {
+    int kb = m.kv_index[qb * m.max_kv + j];
+    for (int s = kb * kAttentionBlock; s < (kb + 1) * kAttentionBlock; ++s) {
+      if (!attends(m, t, s)) continue;
+      const bf16* krow = k + s * a.k_stride + h * kAttentionHeadDim + lane * 4;
+      const bf16* vrow = v + s * a.v_stride + h * kAttentionHeadDim + lane * 4;
+      float kv[4], score = 0, dp = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        kv[i] = __bfloat162float(krow[i]);
+        score += qv[i] * kv[i];
+        dp += g[i] * __bfloat162float(vrow[i]);
+      }
+      score = warp_sum(score);
+      dp = warp_sum(dp);
+      float ds = __expf(score - row_lse) * (dp - row_delta) * kAttentionScale;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] += ds * kv[i];
+    }
+  }
+  bf16* out = dq + (size_t(t) * a.H + h) * kAttentionHeadDim + lane * 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = __float2bfloat16(acc[i]);
+}
+
+// One warp per (key s, head h): dk[s, h] = scale * sum_t P_ts (dy_t . v_s - delta_t) q_t and
+// dv[s, h] = sum_t P_ts dy_t, over the query blocks that list s's block.
+__global__ void attention_backward_dkv_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dy,
+                                              const float* lse, const float* delta, bf16* dk, bf16* dv,
+                                              AttentionTensors a, DeviceAttentionMask m) {
+  int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= a.T * a.H) return;
+  int s = warp / a.H, h = warp % a.H, kb = s / kAttentionBlock;
+  float kv[4], vv[4], dk_acc[4] = {0, 0, 0, 0}, dv_acc[4] = {0, 0, 0, 0};
+  const bf16* krow = k + s * a.k_stride + h * kAttentionHeadDim + lane * 4;
+  const bf16* vrow = v + s * a.v_stride + h * kAttentionHeadDim + lane * 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) kv[i] = __bfloat162float(krow[i]), vv[i] = __bfloat162float(vrow[i]);
+  for (int j = 0; j < m.q_count[kb]; ++j) {
+    int qb = m.q_index[kb * m.max_q + j];
+    for (int t = qb * kAttentionBlock; t < (qb + 1) * kAttentionBlock; ++t) {
+      if (!attends(m, t, s)) continue;
+      const bf16* qrow = q + t * a.q_stride + h * kAttentionHeadDim + lane * 4;
+      const bf16* grow = dy + (size_t(t) * a.H + h) * kAttentionHeadDim + lane * 4;
+      float qv[4], g[4], score = 0, dp = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        qv[i] = __bfloat162float(qrow[i]);
+        g[i] = __bfloat162float(grow[i]);
+        score += qv[i] * kv[i];
+        dp += g[i] * vv[i];
+      }
+      score = warp_sum(score) * kAttentionScale;
+      dp = warp_sum(dp);
+      float p = __expf(score - lse[size_t(h) * a.T + t]);
+      float ds = p * (dp - delta[size_t(h) * a.T + t]) * kAttentionScale;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dk_acc[i] += ds * qv[i], dv_acc[i] += p * g[i];
+    }
+  }
+  size_t at = (size_t(s) * a.H + h) * kAttentionHeadDim + lane * 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dk[at + i] = __float2bfloat16(dk_acc[i]), dv[at + i] = __float2bfloat16(dv_acc[i]);
+}
+
+// Owns the device copy of one micro-sequence's document ids and block lists for one window.
+class AttentionMask {
+ public:
+  AttentionMask(const std::vector<int32_t>& docs, const AttentionBlockLists& lists) {
+    m_.num_blocks = lists.num_blocks;
+    m_.max_kv = lists.max_kv;
+    m_.max_q = lists.max_q;
+    m_.docs = upload(docs);
+    m_.kv_count = upload(lists.kv_count);
+    m_.kv_index = upload(lists.kv_index);
+    m_.q_count = upload(lists.q_count);
+    m_.q_index = upload(lists.q_index);
+  }
+  ~AttentionMask() {
+    for (void* p : {(void*)m_.docs, (void*)m_.kv_count, (void*)m_.kv_index, (void*)m_.q_count, (void*)m_.q_index}) cudaFree(p);
+  }
+  AttentionMask(const AttentionMask&) = delete;
+  AttentionMask& operator=(const AttentionMask&) = delete;
+  const DeviceAttentionMask& device() const { return m_; }
+
+ private:
+  template <typename X>
+  static X* upload(const std::vector<X>& host) {
+    X* d = nullptr;
+    CUDA_CHECK(cudaMalloc(&d, host.size() * sizeof(X)));
+    CUDA_CHECK(cudaMemcpy(d, host.data(), host.size() * sizeof(X), cudaMemcpyHostToDevice));
+    return d;
+  }
+  DeviceAttentionMask m_;
+};
+
+inline int attention_grid(const AttentionTensors& a, int warps_per_block) {
+  return (a.T * a.H + warps_per_block - 1) / warps_per_block;
+}
+
+// y, lse: [T, H, 128], [H, T]
+inline void attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse, const AttentionTensors& a,
+                              const AttentionMask& mask, cudaStream_t stream) {
+  attention_forward_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, y, lse, a, mask.device());
+  CUDA_CHECK_LAUNCH();
+}
+
+// delta: [H, T] scratch; dq, dk, dv: [T, H, 128]
+inline void attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
+                               const float* lse, float* delta, bf16* dq, bf16* dk, bf16* dv,
+                               const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+  attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
+  CUDA_CHECK_LAUNCH();
+  attention_backward_dq_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, dy, lse, delta, dq, a, mask.device());
+  CUDA_CHECK_LAUNCH();
+  attention_backward_dkv_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, dy, lse, delta, dk, dv, a, mask.device());
+  CUDA_CHECK_LAUNCH();
+}
