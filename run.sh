@@ -17,4 +17,4 @@ else
   train="data/sample/sample_train_*.bin"
   val="data/sample/sample_val_*.bin"
 fi
-exec ./build/train_gpt "$train" "$val" "$@"
+exec ./build/train_gpt --train-files "$train" --val-files "$val" "$@"

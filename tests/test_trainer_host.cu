@@ -1,0 +1,147 @@
+// The trainer's host side, without a GPU: flags, the run log's lines (byte-equal to the
+// reference's), checkpoints. train_gpt.cu is included whole, as the GPU tests of the trainer do.
+#define TRAIN_GPT_NO_MAIN
+#include "train_gpt.cu"
+
+#include "check.h"
+
+#include <filesystem>
+
+namespace {
+
+// argv from words; argv[0] is the program.
+struct Args {
+  explicit Args(std::vector<std::string> words) : words_(std::move(words)) {
+    words_.insert(words_.begin(), "train_gpt");
+    for (std::string& w : words_) pointers_.push_back(w.data());
+  }
+  int argc() const { return int(pointers_.size()); }
+  char** argv() { return pointers_.data(); }
+
+ private:
+  std::vector<std::string> words_;
+  std::vector<char*> pointers_;
+};
+
+Hyperparameters parsed(std::vector<std::string> words) {
+  Args args(std::move(words));
+  Hyperparameters h;
+  CHECK(parse_flags(args.argc(), args.argv(), h));
+  return h;
+}
+
+void parse_only(std::vector<std::string> words) { parsed(std::move(words)); }
+
+std::string temp_dir(const std::string& name) {
+  std::string dir = (std::filesystem::temp_directory_path() / ("speedrun_" + name)).string();
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+}  // namespace
+
+TEST_CASE("defaults are the 8xH100 record (SPEC 1.8)") {
+  Hyperparameters h = parsed({});
+  CHECK(h.num_iterations == 1770 && h.micro_batches == 8 && h.seq_len == 49152);
+  CHECK(h.val_tokens == 10485760 && h.val_every == 125 && h.warmup_steps == 10);
+  CHECK(h.adam_lr == 0.008 && h.muon_lr == 0.05 && h.head_lr_mul == 27.5 && h.embed_lr_mul == 75);
+  CHECK(h.seed == 0 && !h.resume);
+}
+
+TEST_CASE("flags set their fields, as --flag value and --flag=value") {
+  Hyperparameters h = parsed({"--num-iterations", "860", "--micro-batches=1", "--seed", "18446744073709551615",
+                              "--adam-eps=1e-8", "--resume", "--train-files", "a/*.bin", "--val-every=0"});
+  CHECK(h.num_iterations == 860 && h.micro_batches == 1 && h.seed == UINT64_MAX);
+  CHECK(h.adam_eps == 1e-8 && h.resume && h.train_files == "a/*.bin" && h.val_every == 0);
+  Schedule s = schedule_of(h);
+  CHECK(s.num_iterations == 860 && s.window_blocks(860) == 14 && s.lr_factor(860) == 0.1);
+}
+
+TEST_CASE("bad flags are errors that name the flag") {
+  CHECK_THROWS_WITH(parse_only({"--num-iteration", "5"}), "unknown flag --num-iteration");
+  CHECK_THROWS_WITH(parse_only({"--seq-len"}), "--seq-len needs a value");
+  CHECK_THROWS_WITH(parse_only({"--seq-len", "12x"}), "--seq-len: '12x' is not a valid integer");
+  CHECK_THROWS_WITH(parse_only({"--seq-len", "1000"}), "--seq-len = 1000: must be a positive multiple of 128");
+  CHECK_THROWS_WITH(parse_only({"--micro-batches", "0"}), "--micro-batches = 0: must be positive");
+  CHECK_THROWS_WITH(parse_only({"--adam-lr", "fast"}), "--adam-lr: 'fast' is not a valid number");
+  CHECK_THROWS_WITH(parse_only({"--adam-beta1=1.5"}), "--adam-beta1 = 1.5: must be in (0, 1)");
+  CHECK_THROWS_WITH(parse_only({"--seed", "-1"}), "--seed: '-1' is not a valid non-negative integer");
+  CHECK_THROWS_WITH(parse_only({"--resume=yes"}), "--resume takes no value");
+  CHECK_THROWS_WITH(parse_only({"860"}), "unexpected argument '860'");
+  CHECK_THROWS_WITH(parse_only({"--val-tokens", "1000000"}), "is not a multiple of --val-seq-len");
+}
+
+TEST_CASE("--help lists every flag with its default") {
+  Args args({"--num-iterations", "5", "--help"});
+  Hyperparameters h;
+  CHECK(!parse_flags(args.argc(), args.argv(), h));
+  std::string text = usage("train_gpt");
+  for (const Flag& f : flag_table(h)) CHECK(text.find("--" + f.name + " ") != std::string::npos);
+  CHECK(text.find("[1770]") != std::string::npos && text.find("[0.008]") != std::string::npos);
+}
+
+TEST_CASE("step lines are byte-equal to the reference's (shared/reference/record25_692f80e0_steps.txt)") {
+  CHECK(validation_line(0, 1770, 10.8258, 0.02) == "step:0/1770 val_loss:10.8258 train_time:0ms step_avg:0.02ms");
+  CHECK(train_step_line(1, 1770, 145.57) == "step:1/1770 train_time:146ms step_avg:145.57ms");
+  CHECK(train_step_line(3, 1770, 246.48) == "step:3/1770 train_time:246ms step_avg:82.16ms");
+  CHECK(validation_line(1770, 1770, 3.27941, 173789.0) ==
+        "step:1770/1770 val_loss:3.2794 train_time:173789ms step_avg:98.19ms");
+  CHECK(peak_memory_line(size_t(30000) << 20, size_t(31234) << 20) ==
+        "peak memory allocated: 30000 MiB reserved: 31234 MiB");
+}
+
+TEST_CASE("the run log: source, rule, environment, rule, then lines") {
+  std::string dir = temp_dir("runlog"), id = new_run_id();
+  CHECK(id.size() == 36 && id[14] == '4');
+  {
+    RunLog log(dir, id);
+    log.header("int main() {}", "GPU: none\n");
+    log.line(train_step_line(1, 2, 10.0), false);
+  }
+  CHECK(read_file(dir + "/" + id + ".txt") ==
+        "int main() {}\n" + kLogRule + "\nGPU: none\n" + kLogRule + "\nstep:1/2 train_time:10ms step_avg:10.00ms\n");
+  CHECK(trainer_source().find("struct Hyperparameters") != std::string::npos);
+}
+
+TEST_CASE("checkpoints round-trip, replace atomically and name the newest") {
+  std::string dir = temp_dir("checkpoints");
+  CHECK(newest_checkpoint(dir).empty());
+  Checkpoint c;
+  c.step = 125;
+  c.blobs = {{"params", {1, 2, 3, 4}}, {"empty", {}}, {"adam", std::vector<uint8_t>(1000, 7)}};
+  write_checkpoint(dir, c);
+  c.step = 250;
+  write_checkpoint(dir, c);
+  write_checkpoint(dir, c);  // the same step again replaces the file
+  std::ofstream(dir + "/step_000999.ckpt.tmp") << "interrupted write";
+  CHECK(newest_checkpoint(dir) == checkpoint_path(dir, 250));
+  Checkpoint back = read_checkpoint(newest_checkpoint(dir));
+  CHECK(back.step == 250 && back.blobs == c.blobs);
+  CHECK(back.blob("adam", "x") == std::vector<uint8_t>(1000, 7));
+  CHECK_THROWS_WITH(back.blob("muon", "some.ckpt"), "some.ckpt: no 'muon' in the checkpoint");
+  CHECK(!std::filesystem::exists(checkpoint_path(dir, 250) + ".tmp"));
+}
+
+TEST_CASE("damaged checkpoints are errors that name the file") {
+  std::string dir = temp_dir("bad_checkpoints");
+  Checkpoint c;
+  c.step = 3;
+  c.blobs = {{"params", std::vector<uint8_t>(64, 1)}};
+  write_checkpoint(dir, c);
+  std::string path = checkpoint_path(dir, 3), bytes = read_file(path);
+  std::ofstream(path, std::ios::binary) << bytes.substr(0, bytes.size() - 10);
+  CHECK_THROWS_WITH(read_checkpoint(path), path.c_str(), ": truncated checkpoint (while reading params)");
+  std::ofstream(path, std::ios::binary) << "NOTACKPT" << bytes.substr(8);
+  CHECK_THROWS_WITH(read_checkpoint(path), path.c_str(), ": not a checkpoint (bad magic)");
+  std::ofstream(path, std::ios::binary) << bytes << "x";
+  CHECK_THROWS_WITH(read_checkpoint(path), path.c_str(), ": trailing bytes after the last blob");
+  CHECK_THROWS_WITH(read_checkpoint(dir + "/missing.ckpt"), "missing.ckpt: cannot open the checkpoint");
+}
+
+int main() { return check::run_checks(); }
