@@ -1,9 +1,13 @@
 // Kernel benchmark at the record's shapes (one micro-sequence: T = 49,152 tokens, d = 768,
 // vocab 50,304). Measures the two ceilings first in the same run (device-to-device copy bandwidth,
 // a large cuBLASLt bf16 matmul), then prints per kernel: median time, achieved TB/s or TFLOP/s,
-// and the fraction of the measured ceiling. Usage: bench_kernels [repeats]
+// and the fraction of the measured ceiling. Usage: bench_kernels [repeats], from the repository
+// root (attention reads the documents of data/sample/).
+#include "data/dataloader.h"
 #include "kernels/activations.cuh"
+#include "kernels/attention.cuh"
 #include "kernels/cross_entropy.cuh"
+#include "kernels/flash_attention.cuh"
 #include "kernels/matmul.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
@@ -149,6 +153,47 @@ void bench_memory_bound(const Peaks& peaks) {
     cudaFree(b);
 }
 
+// Attention on the documents of real text (the first T tokens of the bundled sample shard), for
+// several windows. FLOPs count the allowed (query, key) pairs only: 4 * 128 per pair and head
+// forward (QK^T, PV), 2.5 times that backward (the usual convention, recomputation not counted).
+void bench_attention(const Peaks& peaks) {
+  std::vector<uint16_t> shard = read_shard("data/sample/sample_train_000001.bin", kTokenizerVocab);
+  std::vector<int32_t> docs = attention_document_ids(shard.data(), T, 50256);
+  std::printf("| %-38s | %8d | %-15s | %6s |\n", "attention: documents in the T tokens", docs.back(), "", "");
+  bf16 *q = random_bf16(size_t(T) * D, 1.0f, 10), *k = random_bf16(size_t(T) * D, 1.0f, 11);
+  bf16 *v = random_bf16(size_t(T) * D, 1.0f, 12), *dy = random_bf16(size_t(T) * D, 1.0f, 13);
+  bf16 *y = device_alloc<bf16>(size_t(T) * D), *dq = device_alloc<bf16>(size_t(T) * D);
+  bf16 *dk = device_alloc<bf16>(size_t(T) * D), *dv = device_alloc<bf16>(size_t(T) * D);
+  float *lse = device_alloc<float>(size_t(T) * H), *delta = device_alloc<float>(size_t(T) * H);
+  AttentionTensors a{T, H, D, D, D};
+  for (int window : {1, 2, 4, 7, 10, 14}) {
+    AttentionBlockLists lists = build_attention_blocks(docs, window);
+    AttentionMask mask(docs, lists);
+    double pairs = 0;  // allowed (query, key) pairs: same document, causal, in a listed block
+    for (int qb = 0; qb < lists.num_blocks; ++qb)
+      for (int j = 0; j < lists.kv_count[qb]; ++j)
+        for (int t = qb * 128, kb = lists.kv_index[size_t(qb) * lists.max_kv + j]; t < qb * 128 + 128; ++t)
+          for (int s = kb * 128; s < kb * 128 + 128; ++s) pairs += s <= t && docs[s] == docs[t];
+    double fwd_flops = 4.0 * 128 * H * pairs;
+    char name[64];
+    std::snprintf(name, sizeof name, "flash attention fwd, window %2d blocks", window);
+    row(name, median_ms([&] { flash_attention_forward(q, k, v, y, lse, a, mask, 0); }), 0, fwd_flops, peaks);
+    std::snprintf(name, sizeof name, "flash attention bwd, window %2d blocks", window);
+    row(name, median_ms([&] { flash_attention_backward(q, k, v, y, dy, lse, delta, dq, dk, dv, a, mask, 0); }), 0,
+        2.5 * fwd_flops, peaks);
+    if (window == 14) {
+      row("baseline attention fwd, window 14", median_ms([&] { attention_forward(q, k, v, y, lse, a, mask, 0); }), 0,
+          fwd_flops, peaks);
+      row("baseline attention bwd, window 14",
+          median_ms([&] { attention_backward(q, k, v, y, dy, lse, delta, dq, dk, dv, a, mask, 0); }), 0, 2.5 * fwd_flops,
+          peaks);
+    }
+  }
+  for (void* b : {(void*)q, (void*)k, (void*)v, (void*)dy, (void*)y, (void*)dq, (void*)dk, (void*)dv, (void*)lse,
+                  (void*)delta})
+    cudaFree(b);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -163,6 +208,7 @@ int main(int argc, char** argv) {
     Peaks peaks = measure_peaks(matmul);
     bench_matmuls(matmul, peaks);
     bench_memory_bound(peaks);
+    bench_attention(peaks);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

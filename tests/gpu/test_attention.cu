@@ -1,8 +1,10 @@
 // Attention against the CPU reference: block lists equal the reference's BlockMask construction
-// for many document layouts and every window; forward (y) and backward (dq, dk, dv) match the
+// for many document layouts and every window; forward (y) and backward (dq, dk, dv) of both
+// implementations (the warp-per-row baseline and the tensor-core flash kernels) match the
 // reference on random layouts for every window size 1..14, long and short (W/2).
 #include "gpu/gpu_test.h"
 #include "kernels/attention.cuh"
+#include "kernels/flash_attention.cuh"
 #include "reference/model.h"
 #include "reference/synthetic.h"
 
@@ -34,7 +36,10 @@ Reference reference(const std::vector<double>& q, const std::vector<double>& k, 
   return r;
 }
 
-void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t seed, bool verbose) {
+enum class Implementation { baseline, flash };
+
+void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t seed, bool verbose,
+                     Implementation impl) {
   const int T = int(tokens.size());
   std::vector<int32_t> docs = attention_document_ids(tokens.data(), T, kBos);
   AttentionMask mask(docs, build_attention_blocks(docs, window));
@@ -47,16 +52,24 @@ void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t s
   DeviceBuffer<float> lse(size_t(T) * H), delta(size_t(T) * H);
   for (auto* b : {&y, &dq, &dk, &dv}) b->poison();
   AttentionTensors a{T, H, H * D, H * D, H * D};
-  attention_forward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), lse.get(), a, mask, 0);
-  attention_backward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), ddy.get(), lse.get(), delta.get(), dq.get(),
-                     dk.get(), dv.get(), a, mask, 0);
+  auto forward = impl == Implementation::flash ? flash_attention_forward : attention_forward;
+  auto backward = impl == Implementation::flash ? flash_attention_backward : attention_backward;
+  forward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), lse.get(), a, mask, 0);
+  backward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), ddy.get(), lse.get(), delta.get(), dq.get(), dk.get(),
+           dv.get(), a, mask, 0);
   std::vector<int> ref_docs(docs.begin(), docs.end());
   Reference r = reference(q, k, v, dy, attention_allowed(ref_docs, kAttentionBlock, window), T);
   double errors[4] = {relative_error(to_double(y.download()), r.y), relative_error(to_double(dq.download()), r.dq),
                       relative_error(to_double(dk.download()), r.dk), relative_error(to_double(dv.download()), r.dv)};
   if (verbose)
-    std::printf("  T %5d window %2d: y %.2e dq %.2e dk %.2e dv %.2e\n", T, window, errors[0], errors[1], errors[2], errors[3]);
+    std::printf("  %-8s T %5d window %2d: y %.2e dq %.2e dk %.2e dv %.2e\n",
+                impl == Implementation::flash ? "flash" : "baseline", T, window, errors[0], errors[1], errors[2], errors[3]);
   for (double e : errors) CHECK(e <= kBf16Bound);
+}
+
+void check_both(const std::vector<uint16_t>& tokens, int window, uint64_t seed, bool verbose) {
+  check_attention(tokens, window, seed, verbose, Implementation::baseline);
+  check_attention(tokens, window, seed, verbose, Implementation::flash);
 }
 
 }  // namespace
@@ -84,19 +97,19 @@ TEST_CASE("block lists equal the reference BlockMask for many layouts and every 
 TEST_CASE("forward and backward match the reference for windows 1..14, long and short") {
   for (int window = 1; window <= 14; ++window) {
     std::vector<uint16_t> tokens = layout(128 * 12, 90.0 + 30.0 * window, 100 + window);
-    check_attention(tokens, window, 200 + window, true);       // long window
-    check_attention(tokens, window / 2, 300 + window, false);  // short window (0 when W = 1)
+    check_both(tokens, window, 200 + window, true);       // long window
+    check_both(tokens, window / 2, 300 + window, false);  // short window (0 when W = 1)
   }
 }
 
 TEST_CASE("single document, documents on block boundaries, and a 16-block sequence") {
   std::vector<uint16_t> one_doc(128 * 8, 17);
   one_doc[0] = kBos;
-  check_attention(one_doc, 14, 400, true);
+  check_both(one_doc, 14, 400, true);
   std::vector<uint16_t> aligned(128 * 8, 17);
   for (int b = 0; b < 8; b += 3) aligned[b * 128] = kBos;
-  check_attention(aligned, 4, 401, true);
-  check_attention(layout(128 * 16, 300.0, 402), 14, 403, true);
+  check_both(aligned, 4, 401, true);
+  check_both(layout(128 * 16, 300.0, 402), 14, 403, true);
 }
 
 int main() { return run_gpu_checks(); }

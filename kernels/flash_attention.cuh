@@ -1,0 +1,370 @@
+// Tensor-core attention (FlashAttention-2 style) for the masks of attention.cuh: same interface
+// and results as attention_forward / attention_backward there, computed with bf16 mma.sync on
+// 128 x 128 tiles. One CTA per (128-token block, head); its 8 warps own 16 rows each. A query
+// block walks its kv-block list, a kv block its query-block list (attention.cuh builds both), so
+// cost follows the window. Only the diagonal block and blocks that straddle a document boundary
+// are masked element by element. The backward is deterministic: dq per query block, dk and dv per
+// kv block, no atomics.
+//
+// Tiles live in shared memory as [128 rows][16 chunks of 8 bf16], chunk c of row r stored at
+// c ^ (r & 7), so the 8 row addresses of every ldmatrix hit distinct banks.
+#pragma once
+#include "kernels/attention.cuh"
+
+namespace flash {
+
+constexpr int kTile = 128;                      // tokens per tile: the mask's block
+constexpr int kWarps = kTile / 16;              // 16 rows per warp
+constexpr int kThreads = kWarps * 32;
+constexpr size_t kTileElements = size_t(kTile) * kAttentionHeadDim;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kScaleLog2 = kAttentionScale * kLog2e;  // scores in base 2: exp2 on the fast path
+
+__device__ inline int swizzled(int row, int col) {  // col: element index, chunk-aligned for ldmatrix
+  return row * kAttentionHeadDim + (((col >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+__device__ inline uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// rows [0, 128) of a [T, stride] matrix from `src` into a swizzled tile, 16 bytes per cp.async.
+__device__ inline void load_tile_async(bf16* tile, const bf16* src, int64_t stride) {
+  for (int i = threadIdx.x; i < kTile * 16; i += kThreads) {
+    int row = i / 16, chunk = i % 16;
+    const bf16* from = src + row * stride + chunk * 8;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(tile + swizzled(row, chunk * 8))),
+                 "l"(from));
+  }
+}
+
+__device__ inline void wait_tiles() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
+  __syncthreads();
+}
+
+__device__ inline void ldmatrix_x4(uint32_t r[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+__device__ inline void ldmatrix_x4_trans(uint32_t r[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+// c[16 x 8] += a[16 x 16] b[16 x 8], bf16 operands, fp32 accumulation.
+__device__ inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ inline uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// acc[16 x 8N] += A[a_row .. +16, 0..128) B[b_row .. +8N, 0..128)^T, both tiles in shared memory.
+// The accumulator layout (PTX m16n8 C fragment): thread holds rows lane/4 and lane/4 + 8, columns
+// 8n + 2(lane%4) + {0, 1} of n-tile n.
+template <int N>
+__device__ inline void mma_a_bt(float (&acc)[N][4], const bf16* a, int a_row, const bf16* b, int b_row) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < kAttentionHeadDim / 16; ++kk) {
+    uint32_t af[4];
+    ldmatrix_x4(af, a + swizzled(a_row + lane % 8 + (lane / 8) % 2 * 8, kk * 16 + lane / 16 * 8));
+#pragma unroll
+    for (int np = 0; np < N / 2; ++np) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, b + swizzled(b_row + np * 16 + lane % 8 + lane / 16 * 8, kk * 16 + (lane / 8) % 2 * 8));
+      mma(acc[2 * np], af, bf[0], bf[1]);
+      mma(acc[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// acc[16 x 128] += P[16 x 16K] B[b_row .. +16K, 0..128): P comes from an accumulator (rounded to
+// bf16, its n-tiles become the k dimension), B from a shared tile read transposed.
+template <int K>
+__device__ inline void mma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const float (&p)[2 * K][4], const bf16* b,
+                               int b_row) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk) {
+    uint32_t af[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                      pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+    for (int np = 0; np < kAttentionHeadDim / 16; ++np) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, b + swizzled(b_row + kk * 16 + lane % 8 + (lane / 8) % 2 * 8, np * 16 + lane / 16 * 8));
+      mma(acc[2 * np], af, bf[0], bf[1]);
+      mma(acc[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+template <int N>
+__device__ inline void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+
+// A (query block, kv block) pair needs element masks unless it is strictly causal and both blocks
+// lie in one document (document ids only grow along the sequence).
+__device__ inline bool needs_mask(int qb, int kb, const int32_t* q_docs, const int32_t* kv_docs) {
+  return kb == qb || kv_docs[0] != q_docs[kTile - 1];
+}
+
+// The element of accumulator n-tile n, register e: its row and column inside the 16 x 8N tile.
+__device__ inline int fragment_row(int e) { return threadIdx.x % 32 / 4 + (e >= 2 ? 8 : 0); }
+__device__ inline int fragment_col(int n, int e) { return n * 8 + threadIdx.x % 4 * 2 + (e & 1); }
+
+__device__ inline float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ inline float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ inline void load_docs(int32_t* to, const int32_t* docs, int first) {
+  if (threadIdx.x < kTile) to[threadIdx.x] = docs[first + threadIdx.x];
+}
+
+// Writes a warp's 16 x 128 accumulator (times `scale`) as bf16 rows of [T, H, 128].
+__device__ inline void store_rows(bf16* out, const float (&acc)[kAttentionHeadDim / 8][4], int first_token, int h, int H,
+                                  float scale_row0, float scale_row8) {
+#pragma unroll
+  for (int n = 0; n < kAttentionHeadDim / 8; ++n)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      int row = fragment_row(2 * half), col = fragment_col(n, 0);
+      float s = half ? scale_row8 : scale_row0;
+      *reinterpret_cast<uint32_t*>(out + (size_t(first_token + row) * H + h) * kAttentionHeadDim + col) =
+          pack_bf16(acc[n][2 * half] * s, acc[n][2 * half + 1] * s);
+    }
+}
+
+// Forward: per (query block, head), online softmax over the listed kv blocks.
+__global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y,
+                                                           float* lse, AttentionTensors a, DeviceAttentionMask m) {
+  extern __shared__ __align__(128) bf16 tiles[];
+  bf16 *q_tile = tiles, *k_tile = tiles + kTileElements, *v_tile = tiles + 2 * kTileElements;
+  __shared__ int32_t q_docs[kTile], kv_docs[kTile];
+  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile;
+  load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
+  load_docs(q_docs, m.docs, q0);
+
+  constexpr int N = kTile / 8;
+  float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0};
+  zero(o);
+  for (int j = 0; j < m.kv_count[qb]; ++j) {
+    const int kb = m.kv_index[qb * m.max_kv + j], k0 = kb * kTile;
+    __syncthreads();  // every warp is done with the previous K, V tiles
+    load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
+    load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
+    load_docs(kv_docs, m.docs, k0);
+    wait_tiles();
+
+    float s[N][4];
+    zero(s);
+    mma_a_bt(s, q_tile, warp * 16, k_tile, 0);
+    const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int row = warp * 16 + fragment_row(e), col = fragment_col(n, e);
+        bool allowed = !masked || (k0 + col <= q0 + row && kv_docs[col] == q_docs[row]);
+        s[n][e] = allowed ? s[n][e] * kScaleLog2 : -INFINITY;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+      }
+    float correction[2], base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float new_max = fmaxf(row_max[r], quad_max(tile_max[r]));
+      base[r] = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing allowed yet stays at zero
+      correction[r] = exp2f(row_max[r] - base[r]);
+      row_max[r] = new_max;
+      row_sum[r] *= correction[r];
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] = exp2f(s[n][e] - base[e / 2]);
+        row_sum[e / 2] += s[n][e];
+      }
+#pragma unroll
+    for (int n = 0; n < kAttentionHeadDim / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[n][e] *= correction[e / 2];
+    mma_p_b<kTile / 16>(o, s, v_tile, 0);
+  }
+  float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+  store_rows(y, o, q0 + warp * 16, h, a.H, 1.0f / total[0], 1.0f / total[1]);
+  if (threadIdx.x % 4 == 0)
+    for (int r = 0; r < 2; ++r)
+      lse[size_t(h) * a.T + q0 + warp * 16 + fragment_row(2 * r)] = row_max[r] / kLog2e + logf(total[r]);
+}
+
+// P and dS of a 16 x 8N score tile: p = exp(scores - lse) where allowed (0 elsewhere),
+// ds = p (dp - delta). `query_of(row, col)` maps a fragment position to its query index within the
+// query tile and `key_of` to its key index within the kv tile (the dkv kernel's tiles are transposed).
+template <int N, typename QueryOf, typename KeyOf>
+__device__ inline void softmax_backward(float (&s)[N][4], float (&dp)[N][4], const float* lse2, const float* delta,
+                                        bool masked, int q0, int k0, const int32_t* q_docs, const int32_t* kv_docs,
+                                        QueryOf query_of, KeyOf key_of) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int tq = query_of(n, e), tk = key_of(n, e);
+      bool allowed = !masked || (k0 + tk <= q0 + tq && kv_docs[tk] == q_docs[tq]);
+      float p = allowed ? exp2f(s[n][e] * kScaleLog2 - lse2[tq]) : 0.0f;
+      s[n][e] = p;
+      dp[n][e] = p * (dp[n][e] - delta[tq]);
+    }
+}
+
+// Per (query block, head): dq = scale sum_kv dS K over the listed kv blocks, 64 keys at a time.
+__global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, const bf16* k, const bf16* v,
+                                                               const bf16* dy, const float* lse, const float* delta,
+                                                               bf16* dq, AttentionTensors a, DeviceAttentionMask m) {
+  extern __shared__ __align__(128) bf16 tiles[];
+  bf16 *q_tile = tiles, *dy_tile = tiles + kTileElements, *k_tile = tiles + 2 * kTileElements,
+       *v_tile = tiles + 3 * kTileElements;
+  __shared__ int32_t q_docs[kTile], kv_docs[kTile];
+  __shared__ float q_lse2[kTile], q_delta[kTile];
+  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile;
+  const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
+  load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
+  load_tile_async(dy_tile, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
+  load_docs(q_docs, m.docs, q0);
+  if (threadIdx.x < kTile) {
+    q_lse2[threadIdx.x] = lse[size_t(h) * a.T + q0 + threadIdx.x] * kLog2e;
+    q_delta[threadIdx.x] = delta[size_t(h) * a.T + q0 + threadIdx.x];
+  }
+  constexpr int kKeys = 64, N = kKeys / 8;
+  float dq_acc[kAttentionHeadDim / 8][4];
+  zero(dq_acc);
+  auto query_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
+  for (int j = 0; j < m.kv_count[qb]; ++j) {
+    const int kb = m.kv_index[qb * m.max_kv + j], k0 = kb * kTile;
+    __syncthreads();
+    load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
+    load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
+    load_docs(kv_docs, m.docs, k0);
+    wait_tiles();
+    const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
+    for (int half = 0; half < kTile / kKeys; ++half) {
+      float s[N][4], dp[N][4];
+      zero(s);
+      zero(dp);
+      mma_a_bt(s, q_tile, warp * 16, k_tile, half * kKeys);
+      mma_a_bt(dp, dy_tile, warp * 16, v_tile, half * kKeys);
+      softmax_backward(s, dp, q_lse2, q_delta, masked, q0, k0, q_docs, kv_docs, query_of,
+                       [&](int n, int e) { return half * kKeys + fragment_col(n, e); });
+      mma_p_b<kKeys / 16>(dq_acc, dp, k_tile, half * kKeys);
+    }
+  }
+  store_rows(dq, dq_acc, q0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
+}
+
+// Per (kv block, head): dv = sum_q P^T dy and dk = scale sum_q dS^T Q over the query blocks that
+// list this kv block, 64 queries at a time; the warps own 16 keys each, so scores are transposed.
+__global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, const bf16* k, const bf16* v,
+                                                                const bf16* dy, const float* lse, const float* delta,
+                                                                bf16* dk, bf16* dv, AttentionTensors a,
+                                                                DeviceAttentionMask m) {
+  extern __shared__ __align__(128) bf16 tiles[];
+  bf16 *k_tile = tiles, *v_tile = tiles + kTileElements, *q_tile = tiles + 2 * kTileElements,
+       *dy_tile = tiles + 3 * kTileElements;
+  __shared__ int32_t q_docs[kTile], kv_docs[kTile];
+  __shared__ float q_lse2[kTile], q_delta[kTile];
+  const int kb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, k0 = kb * kTile;
+  const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
+  load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
+  load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
+  load_docs(kv_docs, m.docs, k0);
+  constexpr int kQueries = 64, N = kQueries / 8;
+  float dk_acc[kAttentionHeadDim / 8][4], dv_acc[kAttentionHeadDim / 8][4];
+  zero(dk_acc);
+  zero(dv_acc);
+  auto key_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
+  for (int j = 0; j < m.q_count[kb]; ++j) {
+    const int qb = m.q_index[kb * m.max_q + j], q0 = qb * kTile;
+    __syncthreads();
+    load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
+    load_tile_async(dy_tile, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
+    load_docs(q_docs, m.docs, q0);
+    if (threadIdx.x < kTile) {
+      q_lse2[threadIdx.x] = lse[size_t(h) * a.T + q0 + threadIdx.x] * kLog2e;
+      q_delta[threadIdx.x] = delta[size_t(h) * a.T + q0 + threadIdx.x];
+    }
+    wait_tiles();
+    const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
+    for (int half = 0; half < kTile / kQueries; ++half) {
+      float st[N][4], dpt[N][4];  // [16 keys x 64 queries]
+      zero(st);
+      zero(dpt);
+      mma_a_bt(st, k_tile, warp * 16, q_tile, half * kQueries);
+      mma_a_bt(dpt, v_tile, warp * 16, dy_tile, half * kQueries);
+      softmax_backward(st, dpt, q_lse2, q_delta, masked, q0, k0, q_docs, kv_docs,
+                       [&](int n, int e) { return half * kQueries + fragment_col(n, e); }, key_of);
+      mma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);
+      mma_p_b<kQueries / 16>(dk_acc, dpt, q_tile, half * kQueries);
+    }
+  }
+  store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
+  store_rows(dv, dv_acc, k0 + warp * 16, h, a.H, 1.0f, 1.0f);
+}
+
+template <typename Kernel>
+void set_shared_memory(Kernel kernel, size_t bytes) {
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+}  // namespace flash
+
+inline void check_flash_attention_shape(const AttentionTensors& a, const AttentionMask& mask) {
+  if (a.T % flash::kTile != 0 || mask.device().num_blocks != a.T / flash::kTile)
+    throw std::invalid_argument("flash attention: T = " + std::to_string(a.T) + " must be a multiple of 128 matching the mask");
+  if (a.q_stride % 8 || a.k_stride % 8 || a.v_stride % 8)
+    throw std::invalid_argument("flash attention: row strides must be multiples of 8 elements (16-byte rows)");
+}
+
+// y: [T, H, 128], lse: [H, T]
+inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
+                                    const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+  check_flash_attention_shape(a, mask);
+  const size_t smem = 3 * flash::kTileElements * sizeof(bf16);
+  flash::set_shared_memory(flash::forward_kernel, smem);
+  flash::forward_kernel<<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(q, k, v, y, lse, a,
+                                                                                          mask.device());
+  CUDA_CHECK_LAUNCH();
+}
+
+// delta: [H, T] scratch; dq, dk, dv: [T, H, 128]
+inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
+                                     const float* lse, float* delta, bf16* dq, bf16* dk, bf16* dv,
+                                     const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+  check_flash_attention_shape(a, mask);
+  attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
+  CUDA_CHECK_LAUNCH();
+  const size_t smem = 4 * flash::kTileElements * sizeof(bf16);
+  const dim3 grid(a.T / flash::kTile, a.H);
+  flash::set_shared_memory(flash::backward_dq_kernel, smem);
+  flash::backward_dq_kernel<<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, delta, dq, a, mask.device());
+  CUDA_CHECK_LAUNCH();
+  flash::set_shared_memory(flash::backward_dkv_kernel, smem);
+  flash::backward_dkv_kernel<<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, delta, dk, dv, a,
+                                                                      mask.device());
+  CUDA_CHECK_LAUNCH();
+}
