@@ -5,7 +5,16 @@
 // Until then this program checks its flags, the GPU and the data, says what is missing and never
 // pretends to train.
 #include "data/dataloader.h"
+#include "kernels/activations.cuh"
+#include "kernels/attention.cuh"
+#include "kernels/cross_entropy.cuh"
 #include "kernels/cuda_check.cuh"
+#include "kernels/embedding.cuh"
+#include "kernels/flash_attention.cuh"
+#include "kernels/matmul.cuh"
+#include "kernels/norms.cuh"
+#include "kernels/residual.cuh"
+#include "kernels/rope.cuh"
 #include "kernels/schedules.h"
 
 #include <cerrno>
@@ -17,6 +26,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -404,6 +414,489 @@ inline std::string newest_checkpoint(const std::string& dir) {
   }
   return newest;
 }
+
+// ------------------------------------------------------------------------------------------------
+// Model shape and parameters (SPEC 1.1, 1.6). Matrices, lm_head and the scalars have fp32 masters
+// (Muon and Adam update them) and bf16 copies the matmuls read; the embeddings are bf16 parameters
+// as in the reference. Every gradient is an fp32 SUM over the step's micro-sequences (SPEC 4.2).
+// ------------------------------------------------------------------------------------------------
+struct GPTConfig {
+  int num_layers = 12, model_dim = 768, num_heads = 6, vocab_size = 50304;
+  uint16_t bos_token = 50256;
+  int num_value_embeds = 3;
+  // The record's layer pattern: layer 7 without attention, value embeddings 0,1,2 on the first and
+  // last three layers, long (L) and short (S) windows L S S S L S S L S S S L.
+  std::vector<bool> has_attention = {true, true, true, true, true, true, true, false, true, true, true, true};
+  std::vector<int> value_embed = {0, 1, 2, -1, -1, -1, -1, -1, -1, 0, 1, 2};
+  std::vector<bool> long_window = {true, false, false, false, true, false, false, true, false, false, false, true};
+
+  int mlp_dim() const { return 4 * model_dim; }
+  int num_skips() const { return num_layers / 2; }
+  // scalars: [0:L) skip weights, [L:3L) block lambdas, [3L:5L) SA lambdas, ones to a multiple of 8.
+  int num_scalars() const { return (5 * num_layers + 7) / 8 * 8; }
+  int skip_weight_index(int i) const { return i; }
+  int block_lambda_index(int layer, int k) const { return num_layers + 2 * layer + k; }
+  int sa_lambda_index(int layer, int k) const { return 3 * num_layers + 2 * layer + k; }
+  Softcap softcap() const { return {30.0f, float(7.5 * std::sqrt(double(model_dim)))}; }
+
+  void validate() const {
+    if (model_dim != num_heads * kAttentionHeadDim)
+      throw std::invalid_argument("model_dim " + std::to_string(model_dim) + " must be num_heads x 128");
+    if (vocab_size % 128 != 0) throw std::invalid_argument("vocab_size must be a multiple of 128");
+    if (int(has_attention.size()) != num_layers || int(value_embed.size()) != num_layers ||
+        int(long_window.size()) != num_layers)
+      throw std::invalid_argument("the layer pattern must have num_layers entries");
+  }
+};
+
+enum class ParamKind { embed, value_embed, qkv, attn_proj, mlp_fc, mlp_proj, lm_head, scalars };
+
+struct Param {
+  std::string name;
+  std::vector<int64_t> shape;
+  ParamKind kind;
+  int layer;       // the block, or the value-embedding table; -1 otherwise
+  int64_t numel;
+  size_t offset;   // into the embedding store (embeddings) or the master store (everything else)
+  bool is_embedding() const { return kind == ParamKind::embed || kind == ParamKind::value_embed; }
+};
+
+// Module order (the reference's named_parameters order); storage groups Muon's shapes together.
+inline std::vector<Param> parameter_list(const GPTConfig& c) {
+  const int64_t V = c.vocab_size, d = c.model_dim, F = c.mlp_dim();
+  std::vector<Param> list{{"embed.weight", {V, d}, ParamKind::embed, -1, V * d, 0}};
+  for (int k = 0; k < c.num_value_embeds; ++k)
+    list.push_back({"value_embeds." + std::to_string(k) + ".weight", {V, d}, ParamKind::value_embed, k, V * d, 0});
+  for (int i = 0; i < c.num_layers; ++i) {
+    std::string b = "blocks." + std::to_string(i) + ".";
+    if (c.has_attention[i]) {
+      list.push_back({b + "attn.qkv_w", {3, d, d}, ParamKind::qkv, i, 3 * d * d, 0});
+      list.push_back({b + "attn.c_proj.weight", {d, d}, ParamKind::attn_proj, i, d * d, 0});
+    }
+    list.push_back({b + "mlp.c_fc.weight", {F, d}, ParamKind::mlp_fc, i, F * d, 0});
+    list.push_back({b + "mlp.c_proj.weight", {d, F}, ParamKind::mlp_proj, i, d * F, 0});
+  }
+  list.push_back({"lm_head.weight", {V, d}, ParamKind::lm_head, -1, V * d, 0});
+  list.push_back({"scalars", {c.num_scalars()}, ParamKind::scalars, -1, c.num_scalars(), 0});
+  size_t embedding_end = 0, master_end = 0;
+  for (ParamKind kind : {ParamKind::embed, ParamKind::value_embed, ParamKind::qkv, ParamKind::attn_proj,
+                         ParamKind::mlp_fc, ParamKind::mlp_proj, ParamKind::lm_head, ParamKind::scalars})
+    for (Param& p : list)
+      if (p.kind == kind) {
+        size_t& end = p.is_embedding() ? embedding_end : master_end;
+        p.offset = end;
+        end += size_t(p.numel);
+      }
+  return list;
+}
+
+// cudaMalloc that names the buffer and the size when the GPU is out of memory.
+template <typename T>
+T* device_alloc(const std::string& name, size_t count) {
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T));
+  if (err != cudaSuccess) {
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    throw std::runtime_error("cannot allocate " + name + ": " + std::to_string(count * sizeof(T) >> 20) + " MiB (" +
+                             cudaGetErrorString(err) + "; " + std::to_string(free_bytes >> 20) + " of " +
+                             std::to_string(total_bytes >> 20) + " MiB free)");
+  }
+  return static_cast<T*>(p);
+}
+
+// Owns the device buffers it hands out.
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() {
+    for (void* p : owned_) cudaFree(p);
+  }
+  template <typename T>
+  T* alloc(const std::string& name, size_t count) {
+    T* p = device_alloc<T>(name, count);
+    owned_.push_back(p);
+    return p;
+  }
+
+ private:
+  std::vector<void*> owned_;
+};
+
+struct ParameterStore {
+  std::vector<Param> list;
+  size_t embedding_count = 0, master_count = 0;
+  bf16* embeddings = nullptr;       // [embedding_count] bf16 parameters
+  float* master = nullptr;          // [master_count] fp32 masters
+  bf16* weights = nullptr;          // [master_count] bf16 copies of the masters (what the matmuls read)
+  float* embedding_grads = nullptr; // [embedding_count]
+  float* grads = nullptr;           // [master_count]
+
+  ParameterStore(const GPTConfig& c, DeviceMemory& memory) : list(parameter_list(c)) {
+    for (const Param& p : list) (p.is_embedding() ? embedding_count : master_count) += size_t(p.numel);
+    embeddings = memory.alloc<bf16>("embedding parameters", embedding_count);
+    master = memory.alloc<float>("fp32 master parameters", master_count);
+    weights = memory.alloc<bf16>("bf16 weight copies", master_count);
+    embedding_grads = memory.alloc<float>("embedding gradients", embedding_count);
+    grads = memory.alloc<float>("gradients", master_count);
+  }
+  const Param& find(ParamKind kind, int layer) const {
+    for (const Param& p : list)
+      if (p.kind == kind && p.layer == layer) return p;
+    throw std::logic_error("no parameter of this kind in layer " + std::to_string(layer));
+  }
+  const bf16* weight(ParamKind kind, int layer) const { return weights + find(kind, layer).offset; }
+  float* grad(ParamKind kind, int layer) const { return grads + find(kind, layer).offset; }
+  const bf16* embedding(int table) const {  // table -1: the token embedding, 0..2: value embeddings
+    return embeddings + find(table < 0 ? ParamKind::embed : ParamKind::value_embed, table).offset;
+  }
+  float* embedding_grad(int table) const {
+    return embedding_grads + find(table < 0 ? ParamKind::embed : ParamKind::value_embed, table).offset;
+  }
+  const float* scalars() const { return master + find(ParamKind::scalars, -1).offset; }
+  float* scalar_grads() const { return grads + find(ParamKind::scalars, -1).offset; }
+
+  void zero_grads(cudaStream_t stream) const {
+    CUDA_CHECK(cudaMemsetAsync(embedding_grads, 0, embedding_count * sizeof(float), stream));
+    CUDA_CHECK(cudaMemsetAsync(grads, 0, master_count * sizeof(float), stream));
+  }
+};
+
+__global__ void fp32_to_bf16_kernel(const float* in, bf16* out, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16(in[i]);
+}
+
+// After every optimizer step: the bf16 copies the next forward reads (weight.type_as(x)).
+inline void refresh_weight_copies(const ParameterStore& s, cudaStream_t stream) {
+  fp32_to_bf16_kernel<<<elementwise_grid(s.master_count / 8 + 1), 256, 0, stream>>>(s.master, s.weights, s.master_count);
+  CUDA_CHECK_LAUNCH();
+}
+
+// SPEC 1.6 on the host from one seed: embeddings N(0, 1), qkv and c_fc U(+-sqrt(3) 0.5/sqrt(d)),
+// projections and lm_head zero, scalars (skip 1, lambdas (1, 0), SA lambdas (0.5, 0.5), pad 1).
+inline void initialize_parameters(const GPTConfig& c, const ParameterStore& s, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  float bound = float(std::sqrt(3.0) * 0.5 / std::sqrt(double(c.model_dim)));
+  std::uniform_real_distribution<float> linear(-bound, bound);
+  std::vector<bf16> embeddings(s.embedding_count);
+  std::vector<float> master(s.master_count, 0.0f);
+  for (const Param& p : s.list) {
+    if (p.is_embedding()) {
+      for (int64_t i = 0; i < p.numel; ++i) embeddings[p.offset + i] = __float2bfloat16(normal(rng));
+    } else if (p.kind == ParamKind::qkv || p.kind == ParamKind::mlp_fc) {
+      for (int64_t i = 0; i < p.numel; ++i) master[p.offset + i] = linear(rng);
+    } else if (p.kind == ParamKind::scalars) {
+      float* w = &master[p.offset];
+      std::fill(w, w + p.numel, 1.0f);
+      for (int i = 0; i < c.num_layers; ++i) {
+        w[c.block_lambda_index(i, 1)] = 0.0f;
+        w[c.sa_lambda_index(i, 0)] = w[c.sa_lambda_index(i, 1)] = 0.5f;
+      }
+    }
+  }
+  CUDA_CHECK(cudaMemcpy(s.embeddings, embeddings.data(), embeddings.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(s.master, master.data(), master.size() * sizeof(float), cudaMemcpyHostToDevice));
+  refresh_weight_copies(s, 0);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward and backward of one micro-sequence (SPEC 1.2). Activations the backward needs are kept
+// per layer; shapes are [T, d] unless noted (d = model_dim, F = 4d, H = heads, V = vocab).
+// ------------------------------------------------------------------------------------------------
+struct LayerActivations {
+  bf16* x_in = nullptr;     // block input after the U-net skip
+  bf16* x_mixed = nullptr;  // lambda0 x_in + lambda1 x0
+  bf16* h_attn = nullptr;   // rmsnorm(x_mixed)
+  bf16* qkv = nullptr;      // [T, 3d] raw projections
+  bf16* q = nullptr;        // qk-norm + rope of q
+  bf16* k = nullptr;
+  bf16* v = nullptr;        // sa0 v_raw + sa1 ve
+  bf16* y = nullptr;        // attention output
+  float* lse = nullptr;     // [H, T] softmax statistics
+  bf16* x_mid = nullptr;    // after the attention residual (x_mixed in layers without attention)
+  bf16* h_mlp = nullptr;    // rmsnorm(x_mid)
+  bf16* u = nullptr;        // [T, F] c_fc output
+  bf16* a = nullptr;        // [T, F] relu(u)^2
+  bf16* x_out = nullptr;    // block output
+};
+
+// Rows of logits materialised at once: the head and its loss run chunk by chunk, the backward of
+// each chunk right after its loss, so the [T, V] logits never exist whole (4.9 GB at the record's
+// T, 26 GB at the validation length).
+constexpr int kHeadChunkRows = 8192;
+
+struct Activations {
+  int max_T;
+  bool for_backward;           // false: evaluation, the layers share one set of buffers
+  uint16_t *inputs, *targets;  // [T] device tokens
+  bf16 *embedded, *x0;         // embed(tokens), rmsnorm of it
+  bf16* value_embedded[3];     // ve_k(tokens)
+  std::vector<LayerActivations> layers;
+  bf16* x_final;               // rmsnorm(last block output)
+  bf16* logits;                // [kHeadChunkRows, V], in place their gradient
+  float* losses;               // [T]
+  // backward scratch
+  bf16 *dx, *dx0, *dh, *dy, *dq, *dk, *dv, *dqkv, *du;  // dqkv [T, 3d], du [T, F]
+  std::vector<bf16*> dskip;    // [num_skips]: gradient waiting for the skip's source layer
+  float* delta;                // [H, T]
+  float* reduction_scratch;    // per-block partial sums of the scalar gradients
+  float* cos_sin;              // [T, 64, 2] rope table
+
+  Activations(const GPTConfig& c, int T, bool backward, DeviceMemory& m)
+      : max_T(T), for_backward(backward), layers(c.num_layers), dskip(c.num_skips()) {
+    const size_t td = size_t(T) * c.model_dim, tf = size_t(T) * c.mlp_dim();
+    inputs = m.alloc<uint16_t>("input tokens", T);
+    targets = m.alloc<uint16_t>("target tokens", T);
+    embedded = m.alloc<bf16>("embedded tokens", td);
+    x0 = m.alloc<bf16>("x0", td);
+    for (int k = 0; k < c.num_value_embeds; ++k) value_embedded[k] = m.alloc<bf16>("value embedding " + std::to_string(k), td);
+    for (int i = 0; i < c.num_layers; ++i) allocate_layer(c, i, T, m);
+    x_final = m.alloc<bf16>("final norm", td);
+    logits = m.alloc<bf16>("logits chunk", size_t(std::min(T, kHeadChunkRows)) * c.vocab_size);
+    losses = m.alloc<float>("token losses", T);
+    if (backward) {
+      for (bf16** b : {&dx, &dx0, &dh, &dy, &dq, &dk, &dv}) *b = m.alloc<bf16>("backward scratch [T, d]", td);
+      dqkv = m.alloc<bf16>("qkv gradient", 3 * td);
+      du = m.alloc<bf16>("mlp gradient", tf);
+      for (bf16*& b : dskip) b = m.alloc<bf16>("skip gradient", td);
+      delta = m.alloc<float>("attention delta", size_t(T) * c.num_heads);
+    }
+    reduction_scratch = m.alloc<float>("scalar-gradient partial sums", 2 * kScalarReductionBlocks);
+    cos_sin = m.alloc<float>("rope table", size_t(T) * kRopeHeadDim);
+    std::vector<float> table;
+    rope_table_host(T, table);
+    CUDA_CHECK(cudaMemcpy(cos_sin, table.data(), table.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+
+ private:
+  // Training keeps every layer's buffers for the backward; evaluation lets layers reuse the
+  // previous layer's buffers, except the outputs the U-net skips read later.
+  void allocate_layer(const GPTConfig& c, int i, int T, DeviceMemory& m) {
+    const size_t td = size_t(T) * c.model_dim, tf = size_t(T) * c.mlp_dim();
+    LayerActivations& l = layers[i];
+    const bool reuse = !for_backward && i > 0;
+    const LayerActivations* prev = i > 0 ? &layers[i - 1] : nullptr;
+    std::string at = "layer " + std::to_string(i) + " ";
+    auto buffer = [&](bf16* previous, const std::string& name, size_t n) {
+      return reuse && previous ? previous : m.alloc<bf16>(at + name, n);
+    };
+    // Layers before the skips read the previous output unchanged: x_in aliases it.
+    l.x_in = i == 0 ? x0 : i < c.num_skips() ? prev->x_out : buffer(i > c.num_skips() ? prev->x_in : nullptr, "x_in", td);
+    l.x_mixed = buffer(prev ? prev->x_mixed : nullptr, "x_mixed", td);
+    if (c.has_attention[i]) {
+      const LayerActivations* with_attention = prev && prev->h_attn ? prev : (i > 1 ? &layers[i - 2] : nullptr);
+      l.h_attn = buffer(with_attention ? with_attention->h_attn : nullptr, "h_attn", td);
+      l.qkv = buffer(with_attention ? with_attention->qkv : nullptr, "qkv", 3 * td);
+      l.q = buffer(with_attention ? with_attention->q : nullptr, "q", td);
+      l.k = buffer(with_attention ? with_attention->k : nullptr, "k", td);
+      l.v = buffer(with_attention ? with_attention->v : nullptr, "v", td);
+      l.y = buffer(with_attention ? with_attention->y : nullptr, "attention output", td);
+      l.lse = reuse && with_attention ? with_attention->lse : m.alloc<float>(at + "lse", size_t(T) * c.num_heads);
+      l.x_mid = buffer(with_attention ? with_attention->x_mid : nullptr, "x_mid", td);
+    } else {
+      l.x_mid = l.x_mixed;
+    }
+    l.h_mlp = buffer(prev ? prev->h_mlp : nullptr, "h_mlp", td);
+    l.u = buffer(prev ? prev->u : nullptr, "u", tf);
+    l.a = buffer(prev ? prev->a : nullptr, "a", tf);
+    // A skip source keeps its output; other layers may overwrite the previous non-source output.
+    bool previous_is_source = i - 1 < c.num_skips();
+    l.x_out = buffer(i > 0 && !previous_is_source ? prev->x_out : nullptr, "x_out", td);
+  }
+};
+
+// What the host derives from one micro-sequence's tokens: the attention masks (document ids, long
+// and short windows) and the position order of the embeddings' deterministic backward.
+struct MicroSequencePlan {
+  std::unique_ptr<AttentionMask> long_window, short_window;
+  std::unique_ptr<EmbeddingBackwardPlan> embedding_rows;
+  MicroSequencePlan(const uint16_t* host_inputs, int T, const GPTConfig& c, int window_blocks) {
+    std::vector<int32_t> docs = attention_document_ids(host_inputs, T, c.bos_token);
+    long_window = std::make_unique<AttentionMask>(docs, build_attention_blocks(docs, window_blocks));
+    short_window = std::make_unique<AttentionMask>(docs, build_attention_blocks(docs, window_blocks / 2));
+    embedding_rows = std::make_unique<EmbeddingBackwardPlan>(host_inputs, T, c.vocab_size);
+  }
+};
+
+// The model's step over a set of activations: training (forward, backward) or evaluation.
+class GPT {
+ public:
+  GPT(const GPTConfig& c, DeviceMemory& memory) : c_((c.validate(), c)), params(c, memory) {}
+
+  const GPTConfig& config() const { return c_; }
+
+  // One micro-sequence whose tokens are already in acts.inputs / acts.targets: token losses into
+  // acts.losses (summed by the caller, without a sync per micro-sequence) and, with backward, its
+  // gradients SUMMED into the parameter gradients.
+  void step(Activations& acts, int T, const MicroSequencePlan& plan, bool backward, bool fp8_head,
+            cudaStream_t stream) {
+    if (T > acts.max_T || T % kAttentionBlock != 0)
+      throw std::invalid_argument("micro-sequence length " + std::to_string(T) + " must be a multiple of 128 and <= " +
+                                  std::to_string(acts.max_T));
+    if (backward && !acts.for_backward) throw std::logic_error("a backward pass needs training activations");
+    a_ = &acts;
+    T_ = T;
+    stream_ = stream;
+    forward(plan);
+    head(backward, fp8_head);
+    if (backward) this->backward(plan);
+  }
+
+  ParameterStore params;
+
+ private:
+  size_t td() const { return size_t(T_) * c_.model_dim; }
+  const float* scalar(int index) const { return params.scalars() + index; }
+  float* scalar_grad(int index) const { return params.scalar_grads() + index; }
+  const AttentionMask& mask(const MicroSequencePlan& m, int layer) const {
+    return c_.long_window[layer] ? *m.long_window : *m.short_window;
+  }
+  AttentionTensors attention_shape() const {
+    const int64_t d = c_.model_dim;
+    return {T_, c_.num_heads, d, d, d};
+  }
+  // y[T, n] (+)= x[T, k] W[n, k]^T, bf16 out
+  void linear(const bf16* x, const bf16* w, bf16* y, int n, int k, bool accumulate = false) {
+    matmul_(x, Transpose::N, w, Transpose::T, y, T_, n, k, CUDA_R_16BF, stream_, 1.0f, accumulate ? 1.0f : 0.0f);
+  }
+  // For y = x W^T: dx[T, k] = dy[T, n] W[n, k] and dW[n, k] += dy^T x (fp32)
+  void linear_backward(const bf16* x, const bf16* w, const bf16* dy, bf16* dx, float* dw, int n, int k) {
+    matmul_(dy, Transpose::N, w, Transpose::N, dx, T_, k, n, CUDA_R_16BF, stream_);
+    matmul_(dy, Transpose::T, x, Transpose::N, dw, n, k, T_, CUDA_R_32F, stream_, 1.0f, 1.0f);
+  }
+
+  void forward(const MicroSequencePlan& plan) {
+    Activations& a = *a_;
+    const int d = c_.model_dim;
+    embedding_forward(a.inputs, params.embedding(-1), a.embedded, T_, d, stream_);
+    rmsnorm_forward(a.embedded, a.x0, T_, d, stream_);
+    for (int k = 0; k < c_.num_value_embeds; ++k)
+      embedding_forward(a.inputs, params.embedding(k), a.value_embedded[k], T_, d, stream_);
+    for (int i = 0; i < c_.num_layers; ++i) {
+      LayerActivations& l = a.layers[i];
+      if (i >= c_.num_skips()) {  // x_in = previous output + skip weight * the mirrored layer's output
+        int from = c_.num_layers - 1 - i;
+        weighted_sum_forward(a.layers[i - 1].x_out, nullptr, a.layers[from].x_out,
+                             scalar(c_.skip_weight_index(i - c_.num_skips())), l.x_in, T_, d, d, stream_);
+      }
+      weighted_sum_forward(l.x_in, scalar(c_.block_lambda_index(i, 0)), a.x0, scalar(c_.block_lambda_index(i, 1)),
+                           l.x_mixed, T_, d, d, stream_);
+      if (c_.has_attention[i]) attention_forward_layer(i, plan);
+      mlp_forward_layer(i);
+    }
+    rmsnorm_forward(a.layers.back().x_out, a.x_final, T_, d, stream_);
+  }
+
+  void attention_forward_layer(int i, const MicroSequencePlan& plan) {
+    LayerActivations& l = a_->layers[i];
+    const int d = c_.model_dim;
+    rmsnorm_forward(l.x_mixed, l.h_attn, T_, d, stream_);
+    linear(l.h_attn, params.weight(ParamKind::qkv, i), l.qkv, 3 * d, d);
+    qk_norm_rope_forward(l.qkv, a_->cos_sin, l.q, l.k, T_, c_.num_heads, stream_);
+    int table = c_.value_embed[i];
+    weighted_sum_forward(l.qkv + 2 * d, scalar(c_.sa_lambda_index(i, 0)),
+                         table >= 0 ? a_->value_embedded[table] : nullptr, scalar(c_.sa_lambda_index(i, 1)), l.v, T_,
+                         d, 3 * d, stream_);
+    flash_attention_forward(l.q, l.k, l.v, l.y, l.lse, attention_shape(), mask(plan, i), stream_);
+    CUDA_CHECK(cudaMemcpyAsync(l.x_mid, l.x_mixed, td() * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
+    linear(l.y, params.weight(ParamKind::attn_proj, i), l.x_mid, d, d, /*accumulate=*/true);
+  }
+
+  void mlp_forward_layer(int i) {
+    LayerActivations& l = a_->layers[i];
+    const int d = c_.model_dim, F = c_.mlp_dim();
+    rmsnorm_forward(l.x_mid, l.h_mlp, T_, d, stream_);
+    linear(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.u, F, d);
+    relu_squared_forward(l.u, l.a, size_t(T_) * F, stream_);
+    CUDA_CHECK(cudaMemcpyAsync(l.x_out, l.x_mid, td() * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
+    linear(l.a, params.weight(ParamKind::mlp_proj, i), l.x_out, d, F, /*accumulate=*/true);
+  }
+
+  // Logits, softcapped cross-entropy and, for training, the head's backward, chunk by chunk:
+  // dx_final (in a.dh) = dlogits W_head, dW_head += dlogits^T x_final. The FP8 head of SPEC 1.5
+  // replaces the bf16 products when training with fp8_head.
+  void head(bool backward, bool fp8_head) {
+    Activations& a = *a_;
+    const int d = c_.model_dim, V = c_.vocab_size;
+    if (fp8_head) throw std::logic_error("the FP8 head is not wired into the model yet");
+    const bf16* w = params.weight(ParamKind::lm_head, -1);
+    for (int r0 = 0; r0 < T_; r0 += kHeadChunkRows) {
+      const int rows = std::min(kHeadChunkRows, T_ - r0);
+      const bf16* x = a.x_final + size_t(r0) * d;
+      matmul_(x, Transpose::N, w, Transpose::T, a.logits, rows, V, d, CUDA_R_16BF, stream_);
+      softcap_cross_entropy(a.logits, a.targets + r0, a.losses + r0, rows, V, backward ? 1.0f : 0.0f, stream_,
+                            c_.softcap());
+      if (!backward) continue;
+      matmul_(a.logits, Transpose::N, w, Transpose::N, a.dh + size_t(r0) * d, rows, d, V, CUDA_R_16BF, stream_);
+      matmul_(a.logits, Transpose::T, x, Transpose::N, params.grad(ParamKind::lm_head, -1), V, d, rows, CUDA_R_32F,
+              stream_, 1.0f, 1.0f);
+    }
+  }
+
+  void backward(const MicroSequencePlan& plan) {
+    Activations& a = *a_;
+    const int d = c_.model_dim;
+    rmsnorm_backward(a.layers.back().x_out, a.dh, a.dx, T_, d, /*accumulate=*/false, stream_);
+    CUDA_CHECK(cudaMemsetAsync(a.dx0, 0, td() * sizeof(bf16), stream_));
+    for (int i = c_.num_layers - 1; i >= 0; --i) {
+      LayerActivations& l = a.layers[i];
+      if (i < c_.num_skips()) add_into(a.dskip[i], a.dx, td(), stream_);
+      mlp_backward_layer(i);
+      if (c_.has_attention[i]) attention_backward_layer(i, plan);
+      // x_mixed = lambda0 x_in + lambda1 x0
+      int l0 = c_.block_lambda_index(i, 0), l1 = c_.block_lambda_index(i, 1);
+      weighted_sum_backward(a.dx, l.x_in, scalar(l0), scalar_grad(l0), a.x0, scalar(l1), scalar_grad(l1), a.dx, a.dx0,
+                            /*accumulate_dy=*/true, T_, d, d, a.reduction_scratch, stream_);
+      if (i >= c_.num_skips()) {  // x_in = previous output + w skip
+        int from = c_.num_layers - 1 - i, w = c_.skip_weight_index(i - c_.num_skips());
+        weighted_sum_backward(a.dx, nullptr, nullptr, nullptr, a.layers[from].x_out, scalar(w), scalar_grad(w), a.dx,
+                              a.dskip[from], /*accumulate_dy=*/false, T_, d, d, a.reduction_scratch, stream_);
+      }
+    }
+    add_into(a.dx, a.dx0, td(), stream_);
+    rmsnorm_backward(a.embedded, a.dx0, a.dh, T_, d, /*accumulate=*/false, stream_);
+    embedding_backward(*plan.embedding_rows, a.dh, params.embedding_grad(-1), nullptr, d, stream_);
+  }
+
+  void mlp_backward_layer(int i) {
+    Activations& a = *a_;
+    LayerActivations& l = a.layers[i];
+    const int d = c_.model_dim, F = c_.mlp_dim();
+    // x_out = x_mid + a W_proj^T: dx passes through to x_mid
+    linear_backward(l.a, params.weight(ParamKind::mlp_proj, i), a.dx, a.du, params.grad(ParamKind::mlp_proj, i), d, F);
+    relu_squared_backward(l.u, a.du, a.du, size_t(T_) * F, stream_);
+    linear_backward(l.h_mlp, params.weight(ParamKind::mlp_fc, i), a.du, a.dh, params.grad(ParamKind::mlp_fc, i), F, d);
+    rmsnorm_backward(l.x_mid, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
+  }
+
+  void attention_backward_layer(int i, const MicroSequencePlan& plan) {
+    Activations& a = *a_;
+    LayerActivations& l = a.layers[i];
+    const int d = c_.model_dim;
+    linear_backward(l.y, params.weight(ParamKind::attn_proj, i), a.dx, a.dy, params.grad(ParamKind::attn_proj, i), d, d);
+    flash_attention_backward(l.q, l.k, l.v, l.y, a.dy, l.lse, a.delta, a.dq, a.dk, a.dv, attention_shape(),
+                             mask(plan, i), stream_);
+    // v = sa0 v_raw + sa1 ve: dv_raw goes into the v third of dqkv; the ve table gets sa1 dv
+    int table = c_.value_embed[i], s0 = c_.sa_lambda_index(i, 0), s1 = c_.sa_lambda_index(i, 1);
+    const bf16* ve = table >= 0 ? a.value_embedded[table] : nullptr;
+    weighted_sum_backward(a.dv, l.qkv + 2 * d, scalar(s0), scalar_grad(s0), ve, scalar(s1), ve ? scalar_grad(s1) : nullptr,
+                          a.dqkv + 2 * d, nullptr, /*accumulate_dy=*/false, T_, d, 3 * d, a.reduction_scratch, stream_);
+    if (ve) embedding_backward(*plan.embedding_rows, a.dv, params.embedding_grad(table), scalar(s1), d, stream_);
+    qk_norm_rope_backward(l.qkv, a.dq, a.dk, a.cos_sin, a.dqkv, T_, c_.num_heads, stream_);
+    linear_backward(l.h_attn, params.weight(ParamKind::qkv, i), a.dqkv, a.dh, params.grad(ParamKind::qkv, i), 3 * d, d);
+    rmsnorm_backward(l.x_mixed, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
+  }
+
+  GPTConfig c_;
+  Matmul matmul_;
+  Activations* a_ = nullptr;
+  int T_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
 
 // ------------------------------------------------------------------------------------------------
 #ifndef TRAIN_GPT_NO_MAIN  // tests include this file for its host and device code

@@ -4,6 +4,7 @@
 #include "train_gpt.cu"
 
 #include "check.h"
+#include "reference/model.h"
 
 #include <filesystem>
 
@@ -145,3 +146,29 @@ TEST_CASE("damaged checkpoints are errors that name the file") {
 }
 
 int main() { return check::run_checks(); }
+
+TEST_CASE("the trainer's parameters are the reference's, in its order: 275,742,784 for the record") {
+  std::vector<Param> list = parameter_list(GPTConfig{});
+  std::vector<ParamSpec> specs = param_specs(ModelConfig::record());
+  CHECK(list.size() == specs.size());
+  int64_t total = 0, embeddings = 0;
+  for (size_t i = 0; i < std::min(list.size(), specs.size()); ++i) {
+    CHECK(list[i].name == specs[i].name);
+    CHECK(list[i].shape == specs[i].shape);
+    CHECK(list[i].numel == specs[i].numel());
+    total += list[i].numel;
+    embeddings += list[i].is_embedding() ? list[i].numel : 0;
+  }
+  CHECK(total == 275742784);
+  CHECK(embeddings == 154533888);
+  // Storage: no overlap, no gap, each Muon shape group contiguous in the master store.
+  size_t master_end = 0;
+  for (ParamKind kind : {ParamKind::qkv, ParamKind::attn_proj, ParamKind::mlp_fc, ParamKind::mlp_proj,
+                         ParamKind::lm_head, ParamKind::scalars})
+    for (const Param& p : list)
+      if (p.kind == kind) {
+        CHECK(p.offset == master_end);
+        master_end += size_t(p.numel);
+      }
+  CHECK(int64_t(master_end) == total - embeddings);
+}

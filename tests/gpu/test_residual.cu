@@ -1,0 +1,152 @@
+// Embeddings and the residual-stream scalar mixes against double-precision loops on the host, on
+// fresh random inputs with outputs poisoned first. Bounds (../.library/device/METHOD.md): bf16
+// outputs 5e-3, fp32 sums of bf16 products 1e-4; gathers are exact.
+#include "gpu/gpu_test.h"
+#include "kernels/embedding.cuh"
+#include "kernels/residual.cuh"
+
+namespace {
+
+constexpr double kBf16Bound = 5e-3, kFp32FromBf16Bound = 1e-4;
+
+// Zipf-like tokens with a BOS every ~300 positions: a few tokens repeat thousands of times, as in text.
+std::vector<uint16_t> skewed_tokens(int T, int vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint16_t> tokens(T);
+  for (int t = 0; t < T; ++t) {
+    double u = std::uniform_real_distribution<double>(0, 1)(rng);
+    tokens[t] = uint16_t(std::min<double>(vocab - 1, std::floor(std::pow(double(vocab), u * u))));
+    if (rng() % 300 == 0) tokens[t] = uint16_t(vocab - 1);
+  }
+  return tokens;
+}
+
+void check_embedding(int T, int vocab, int d, uint64_t seed) {
+  std::printf("  embedding T=%d vocab=%d d=%d\n", T, vocab, d);
+  std::vector<uint16_t> tokens = skewed_tokens(T, vocab, seed);
+  std::vector<double> table = rounded_to_bf16(random_normal(size_t(vocab) * d, seed + 1));
+  std::vector<double> dout = rounded_to_bf16(random_normal(size_t(T) * d, seed + 2));
+  std::vector<double> prior = random_normal(table.size(), seed + 3);  // the backward accumulates onto it
+  const float scale = 0.37f;
+  DeviceBuffer<uint16_t> dtokens(tokens);
+  DeviceBuffer<bf16> dtable(to_bf16(table)), ddout(to_bf16(dout)), out(size_t(T) * d);
+  DeviceBuffer<float> grad(std::vector<float>(prior.begin(), prior.end())), dscale(std::vector<float>{scale});
+  out.poison();
+  embedding_forward(dtokens.get(), dtable.get(), out.get(), T, d, 0);
+  EmbeddingBackwardPlan plan(tokens.data(), T, vocab);
+  embedding_backward(plan, ddout.get(), grad.get(), dscale.get(), d, 0);
+  std::vector<double> out_ref(size_t(T) * d), grad_ref = prior;
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < d; ++c) {
+      out_ref[size_t(t) * d + c] = table[size_t(tokens[t]) * d + c];
+      grad_ref[size_t(tokens[t]) * d + c] += scale * dout[size_t(t) * d + c];
+    }
+  std::vector<double> out_gpu = to_double(out.download()), grad_gpu = to_double(grad.download());
+  CHECK(out_gpu == out_ref);  // a gather is exact
+  CHECK_REL_ERROR(grad_gpu, grad_ref, kFp32FromBf16Bound);
+
+  // Bitwise the same gradient on a second run: the position order is fixed, no atomics.
+  std::vector<float> first = grad.download();
+  grad.upload(std::vector<float>(prior.begin(), prior.end()));
+  embedding_backward(plan, ddout.get(), grad.get(), dscale.get(), d, 0);
+  CHECK(grad.download() == first);
+}
+
+struct MixInputs {
+  std::vector<double> x, y, dout, dy_prior;
+  float a, b;
+};
+
+// out = a x + b y with x a strided view; then its backward with dx in place of a strided buffer.
+void check_weighted_sum(int T, int d, int x_stride, uint64_t seed) {
+  std::printf("  weighted sum T=%d d=%d x stride %d\n", T, d, x_stride);
+  MixInputs in{rounded_to_bf16(random_normal(size_t(T) * x_stride, seed)),
+               rounded_to_bf16(random_normal(size_t(T) * d, seed + 1)),
+               rounded_to_bf16(random_normal(size_t(T) * d, seed + 2)),
+               rounded_to_bf16(random_normal(size_t(T) * d, seed + 3)), 0.8125f, -0.375f};
+  DeviceBuffer<bf16> x(to_bf16(in.x)), y(to_bf16(in.y)), dout(to_bf16(in.dout)), out(size_t(T) * d);
+  DeviceBuffer<bf16> dx(to_bf16(in.x)), dy(to_bf16(in.dy_prior));  // dx: the strided buffer, partly overwritten
+  const float da_prior = 1.5f, db_prior = -2.25f;
+  DeviceBuffer<float> scalars(std::vector<float>{in.a, in.b, da_prior, db_prior});
+  DeviceBuffer<float> scratch(2 * kScalarReductionBlocks);
+  out.poison();
+  const float *a = scalars.get(), *b = scalars.get() + 1;
+  float *da = scalars.get() + 2, *db = scalars.get() + 3;
+  weighted_sum_forward(x.get(), a, y.get(), b, out.get(), T, d, x_stride, 0);
+  weighted_sum_backward(dout.get(), x.get(), a, da, y.get(), b, db, dx.get(), dy.get(), /*accumulate_dy=*/true, T, d,
+                        x_stride, scratch.get(), 0);
+
+  std::vector<double> out_ref(size_t(T) * d), dx_ref = in.x, dy_ref = in.dy_prior;
+  double da_ref = da_prior, db_ref = db_prior;
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < d; ++c) {
+      size_t i = size_t(t) * d + c, xi = size_t(t) * x_stride + c;
+      out_ref[i] = in.a * in.x[xi] + in.b * in.y[i];
+      dx_ref[xi] = in.a * in.dout[i];
+      dy_ref[i] += in.b * in.dout[i];
+      da_ref += in.dout[i] * in.x[xi];
+      db_ref += in.dout[i] * in.y[i];
+    }
+  std::vector<float> s = scalars.download();
+  std::vector<double> out_gpu = to_double(out.download()), dx_gpu = to_double(dx.download());
+  std::vector<double> dy_gpu = to_double(dy.download());
+  CHECK_REL_ERROR(out_gpu, out_ref, kBf16Bound);
+  CHECK_REL_ERROR(dx_gpu, dx_ref, kBf16Bound);  // also: the other columns of the stride are untouched
+  CHECK_REL_ERROR(dy_gpu, dy_ref, kBf16Bound);
+  std::vector<double> scalar_grads{s[2], s[3]}, scalar_refs{da_ref, db_ref};
+  CHECK_REL_ERROR(scalar_grads, scalar_refs, kFp32FromBf16Bound);
+}
+
+}  // namespace
+
+TEST_CASE("embedding: gather forward, deterministic scaled backward accumulating into fp32") {
+  check_embedding(1024, 512, 64, 1);
+  check_embedding(49152, 50304, 768, 2);  // the record's micro-sequence and table
+}
+
+TEST_CASE("weighted sum a x + b y: forward, backward with scalar gradients, strided x") {
+  check_weighted_sum(512, 64, 64, 10);
+  check_weighted_sum(49152, 768, 768, 11);      // block lambdas at the record's shape
+  check_weighted_sum(4096, 768, 3 * 768, 12);   // the value mix on the v third of qkv
+}
+
+TEST_CASE("weighted sum without a or y; in-place unit dx; dy written, not accumulated") {
+  const int T = 640, d = 128;
+  std::vector<double> x = rounded_to_bf16(random_normal(size_t(T) * d, 20));
+  std::vector<double> skip = rounded_to_bf16(random_normal(size_t(T) * d, 21));
+  std::vector<double> dout = rounded_to_bf16(random_normal(size_t(T) * d, 22));
+  DeviceBuffer<bf16> dx(to_bf16(x)), dskip(to_bf16(skip)), out(size_t(T) * d), dgrad(to_bf16(dout)), dy(size_t(T) * d);
+  DeviceBuffer<float> w(std::vector<float>{0.625f, 0.0f}), scratch(2 * kScalarReductionBlocks);
+  out.poison();
+  dy.poison();
+  weighted_sum_forward(dx.get(), nullptr, dskip.get(), w.get(), out.get(), T, d, d, 0);
+  // the skip: x_in = x + w skip; dx flows through unchanged (in place), dskip = w dout, dw += sum(dout skip)
+  weighted_sum_backward(dgrad.get(), nullptr, nullptr, nullptr, dskip.get(), w.get(), w.get() + 1, dgrad.get(),
+                        dy.get(), /*accumulate_dy=*/false, T, d, d, scratch.get(), 0);
+  std::vector<double> out_ref(x.size()), dy_ref(x.size());
+  double dw_ref = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    out_ref[i] = x[i] + 0.625 * skip[i];
+    dy_ref[i] = 0.625 * dout[i];
+    dw_ref += dout[i] * skip[i];
+  }
+  std::vector<double> out_gpu = to_double(out.download()), dy_gpu = to_double(dy.download());
+  std::vector<double> dx_gpu = to_double(dgrad.download());
+  CHECK_REL_ERROR(out_gpu, out_ref, kBf16Bound);
+  CHECK_REL_ERROR(dy_gpu, dy_ref, kBf16Bound);
+  CHECK(dx_gpu == dout);  // a unit in-place dx is left as it is
+  CHECK_NEAR(w.download()[1], dw_ref, 1e-4 * std::fabs(dw_ref));
+}
+
+TEST_CASE("add_into: dst += src") {
+  const size_t n = 768 * 1000;
+  std::vector<double> src = rounded_to_bf16(random_normal(n, 30)), dst = rounded_to_bf16(random_normal(n, 31));
+  DeviceBuffer<bf16> dsrc(to_bf16(src)), ddst(to_bf16(dst));
+  add_into(dsrc.get(), ddst.get(), n, 0);
+  std::vector<double> ref(n);
+  for (size_t i = 0; i < n; ++i) ref[i] = src[i] + dst[i];
+  std::vector<double> out = to_double(ddst.download());
+  CHECK_REL_ERROR(out, ref, kBf16Bound);
+}
+
+int main() { return run_gpu_checks(); }
