@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""PyTorch's side of the kernel benchmark: the same ops at the record's shapes, timed on the same
+GPU, beside our kernels' times (the table `build/bench_kernels` prints, passed with --ours).
+
+- attention: FlexAttention with the reference's block masks (SPEC 1.4: document-causal mask_mod,
+  partial/full block lists sorted nearest-first, the window clamping of BlockMask.from_kv_blocks)
+  over the documents of the first T tokens of data/sample/ (the same tokens bench_kernels reads);
+  F.scaled_dot_product_attention (causal, no document mask: a dense reference point);
+- the FP8 head of SPEC 1.5 through torch._scaled_mm (forward with fast accumulation, both
+  backward products without), and the bf16 matmuls of every linear layer;
+- rms_norm and the softcapped cross-entropy under torch.compile (what the reference runs).
+
+Usage (on the GPU machine, from the repository root):
+    build/bench_kernels 20 > bench_kernels.txt
+    python3 tools/bench_torch.py --ours bench_kernels.txt [--repeats 20]
+"""
+import argparse
+import re
+import struct
+
+import torch
+import torch.nn.functional as F
+
+T, D, FF, QKV, V, H, HEAD_DIM = 49152, 768, 3072, 2304, 50304, 6, 128
+BOS, BLOCK = 50256, 128
+SAMPLE = "data/sample/sample_train_000001.bin"
+
+
+def median_ms(fn, repeats):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def read_tokens(path, count):
+    with open(path, "rb") as f:
+        header = struct.unpack("<256i", f.read(1024))
+        if header[0] != 20240520 or header[1] != 1:
+            raise SystemExit(f"{path}: not a shard (magic {header[0]}, version {header[1]})")
+        data = f.read(2 * count)
+    if len(data) < 2 * count:
+        raise SystemExit(f"{path}: holds fewer than {count} tokens")
+    return torch.frombuffer(bytearray(data), dtype=torch.int16).to(torch.int32) & 0xFFFF
+
+
+def block_masks(tokens, window_blocks):
+    """The reference's long and short BlockMasks for one packed sequence (SPEC 1.4)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    docs = (tokens == BOS).cumsum(0)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+
+    def ordered(dense):  # block counts and indices, nearest (highest) kv block first
+        counts = dense.sum(dim=-1, dtype=torch.int32)
+        indices = dense.argsort(dim=-1, descending=False, stable=True).flip(-1).to(torch.int32)
+        return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+    n = len(tokens) // BLOCK
+    block = torch.arange(n, dtype=torch.int32, device=tokens.device)
+    low, high = docs.view(-1, BLOCK)[:, 0].contiguous(), docs.view(-1, BLOCK)[:, -1].contiguous()
+    any_ = (block[:, None] >= block) & (low[:, None] <= high) & (high[:, None] >= low)
+    all_ = (block[:, None] > block) & (low[:, None] == high) & (high[:, None] == low)
+    partial_counts, partial_indices = ordered(any_ & ~all_)
+    full_counts, full_indices = ordered(all_)
+
+    def with_window(w):
+        w = torch.tensor(w, dtype=torch.int32, device=tokens.device)
+        return BlockMask.from_kv_blocks(
+            torch.clamp_max(partial_counts, torch.clamp_min(w - full_counts, 1)), partial_indices,
+            torch.clamp_max(full_counts, w - 1), full_indices, BLOCK_SIZE=BLOCK, mask_mod=document_causal)
+
+    return with_window(window_blocks), with_window(window_blocks // 2)
+
+
+def bench_attention(rows, repeats):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    tokens = read_tokens(SAMPLE, T).cuda()
+    q, k, v = (torch.randn(1, H, T, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dy = torch.randn(1, H, T, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    for window in (1, 2, 4, 7, 10, 14):
+        mask, _ = block_masks(tokens, window)
+        fwd = median_ms(lambda: flex(q, k, v, block_mask=mask, scale=0.12), repeats)
+        both = median_ms(lambda: flex(q, k, v, block_mask=mask, scale=0.12).backward(dy), repeats)
+        rows.append((f"flash attention fwd, window {window:2d} blocks", f"FlexAttention fwd, window {window}", fwd))
+        rows.append((f"flash attention bwd, window {window:2d} blocks", f"FlexAttention bwd, window {window}", both - fwd))
+    fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.12), repeats)
+    rows.append((None, "sdpa causal fwd (dense, no documents)", fwd))
+
+
+def bench_matmuls(rows, repeats):
+    for name, n_in, n_out in (("qkv", D, QKV), ("attn proj", D, D), ("mlp fc", D, FF), ("mlp proj", FF, D),
+                              ("lm_head (bf16)", D, V)):
+        x = torch.randn(T, n_in, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16) * 0.02
+        dy = torch.randn(T, n_out, device="cuda", dtype=torch.bfloat16)
+        ours = f"matmul {name} fwd {T}x{n_in}->{n_out}"
+        rows.append((ours, f"torch.mm {name} fwd", median_ms(lambda: x @ w.T, repeats)))
+        rows.append((f"matmul {name} dx", f"torch.mm {name} dx", median_ms(lambda: dy @ w, repeats)))
+        rows.append((f"matmul {name} dW (fp32 out)", f"torch.mm {name} dW (bf16 out)",
+                     median_ms(lambda: dy.T @ x, repeats)))
+
+
+def bench_fp8_head(rows, repeats):
+    x_s, w_s, grad_s = D ** 0.5 / 448, 24 / 448, 1 / 448
+    scale = lambda s: torch.tensor(s, device="cuda", dtype=torch.float32)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(V, D, device="cuda", dtype=torch.float32) * 0.02
+    g = torch.randn(T, V, device="cuda", dtype=torch.bfloat16) * 1e-3
+    x_f8 = (x / x_s).to(torch.float8_e4m3fn)
+    w_f8 = (w / w_s).to(torch.float8_e4m3fn)
+    g_f8 = (g / grad_s).to(torch.float8_e5m2)
+    rows.append(("fp8 head fwd", "_scaled_mm fp8 head fwd", median_ms(lambda: torch._scaled_mm(
+        x_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=scale(x_s), scale_b=scale(w_s), use_fast_accum=True),
+        repeats)))
+    rows.append(("fp8 head dx", "_scaled_mm fp8 head dx (+ w transpose)", median_ms(lambda: torch._scaled_mm(
+        g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, scale_a=scale(grad_s), scale_b=scale(w_s),
+        use_fast_accum=False), repeats)))
+    rows.append(("fp8 head dW (fp32 out)", "_scaled_mm fp8 head dW (+ transposes)", median_ms(lambda: torch._scaled_mm(
+        x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32, scale_a=scale(x_s),
+        scale_b=scale(grad_s), use_fast_accum=False).T, repeats)))
+
+
+def bench_compiled_pointwise(rows, repeats):
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16) * 2
+    norm = torch.compile(lambda t: F.rms_norm(t, (D,)))
+    rows.append(("rmsnorm fwd [49152, 768]", "compiled F.rms_norm fwd", median_ms(lambda: norm(x), repeats)))
+    logits = torch.randn(T, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, V, (T,), device="cuda")
+
+    @torch.compile
+    def softcapped_loss(z):
+        z = 30 * torch.sigmoid(z.float() / (7.5 * D ** 0.5))
+        return F.cross_entropy(z, targets, reduction="sum")
+
+    rows.append(("cross-entropy fwd+bwd [49152, 50304]", "compiled softcap cross-entropy fwd+bwd",
+                 median_ms(lambda: softcapped_loss(logits).backward(), repeats)))
+
+
+def our_times(path):
+    """Row name -> ms from bench_kernels' markdown table."""
+    times = {}
+    if path:
+        for line in open(path):
+            m = re.match(r"\|\s*(.+?)\s*\|\s*([0-9.]+)\s*\|", line)
+            if m:
+                times[m.group(1)] = float(m.group(2))
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ours", help="bench_kernels output to compare with")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device")
+    print(f"{torch.cuda.get_device_name()}, PyTorch {torch.__version__}, median of {args.repeats} runs\n")
+    rows = []
+    for bench in (bench_matmuls, bench_fp8_head, bench_compiled_pointwise, bench_attention):
+        try:
+            bench(rows, args.repeats)
+        except Exception as e:  # one missing feature must not hide the other rows
+            rows.append((None, f"{bench.__name__} failed: {type(e).__name__}: {e}"[:90], float("nan")))
+    ours = our_times(args.ours)
+    print("| PyTorch op | torch ms | ours ms | ours / torch |\n|---|---|---|---|")
+    for our_name, torch_name, ms in rows:
+        mine = ours.get(our_name)
+        ratio = f"{mine / ms:.2f}" if mine and ms == ms and ms > 0 else ""
+        print(f"| {torch_name} | {ms:.3f} | {mine if mine is not None else ''} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
