@@ -27,6 +27,7 @@ BUILD_COMMAND = ("nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --ex
 TABLE_BEGIN, TABLE_END = "<!-- records:begin -->", "<!-- records:end -->"
 RECORD_FOLDER = re.compile(r"\d{4}-\d{2}-\d{2}_[A-Za-z0-9][A-Za-z0-9_.-]*")
 TARGET_LINE = re.compile(r"^Target val loss: ([0-9.]+)$", re.M)
+NO_RUNS = "No runs yet.\n"
 
 
 class RecordError(Exception):
@@ -350,7 +351,7 @@ Data and hardware: (FineWeb or the offline corpus; GPUs; the trainer's flags).
 Generated from this folder's logs by `python3 tools/records.py table`:
 
 {TABLE_BEGIN}
-{TABLE_END}
+{NO_RUNS}{TABLE_END}
 """
 
 
@@ -392,7 +393,7 @@ def record_target(folder):
 
 def record_results(folder):
     if not any(n.endswith(".txt") for n in os.listdir(folder)):
-        return "No runs yet.\n"
+        return NO_RUNS
     return stats_report(finished_runs([folder]), record_target(folder))
 
 
@@ -465,7 +466,9 @@ def main(argv=None):
 
 def run_command(args):
     if args.command == "freeze":
-        print(freeze(args.name, args.date, args.target, args.records_dir))
+        path = freeze(args.name, args.date, args.target, args.records_dir)
+        print(f"{path}: frozen. Next: fill in its README, build and run it, copy every run's log there, "
+              "then `python3 tools/records.py table`.")
     elif args.command == "inline":
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         write_text(args.output, single_file_trainer())
