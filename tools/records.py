@@ -98,8 +98,8 @@ def finished_runs(paths):
     runs = [parse_log(f) for f in log_files(paths)]
     for run in runs:
         final = run.final()
-        last = max([s for s, _ in run.train] + [s for s, _, _ in run.val])
         if final is None:
+            last = max([s for s, _ in run.train] + [s for s, _, _ in run.val])
             raise RecordError(f"{run.path}: did not finish: no final step:{run.num_iterations}/"
                               f"{run.num_iterations} val_loss line (last step seen: {last})")
         if not math.isfinite(final[0]):
@@ -192,9 +192,13 @@ def number(value, digits):
     return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
 
 
+def loss_and_seconds(runs):
+    """Summaries of the final val loss and of the train time in seconds."""
+    return summarize([r.final()[0] for r in runs]), summarize([r.final()[1] / 1000 for r in runs])
+
+
 def set_row(runs, target):
-    loss = summarize([r.final()[0] for r in runs])
-    seconds = summarize([r.final()[1] / 1000 for r in runs])
+    loss, seconds = loss_and_seconds(runs)
     return [str(loss.n), str(runs[0].num_iterations), number(loss.mean, 5), number(loss.std, 5),
             number(one_sample_less_p(loss, target), 4), number(seconds.mean, 3), number(seconds.std, 3)]
 
@@ -213,9 +217,8 @@ def stats_report(runs, target, against=None):
         return runs_table(runs) + "\n" + markdown(set_header(target), [set_row(runs, target)])
     report = markdown(["set"] + set_header(target), [["A"] + set_row(runs, target), ["B"] + set_row(against, target)])
     rows = []
-    for name, column, scale, digits in (("val loss", 0, 1, 5), ("train time (s)", 1, 1000, 3)):
-        a = summarize([r.final()[column] / scale for r in runs])
-        b = summarize([r.final()[column] / scale for r in against])
+    quantities = zip(("val loss", "train time (s)"), loss_and_seconds(runs), loss_and_seconds(against), (5, 3))
+    for name, a, b, digits in quantities:
         t, df, p = welch(a, b)
         rows.append([name, number(b.mean - a.mean, digits), number(t, 3), number(df, 2), number(p, 4)])
     return report + "\nWelch's t-test, B against A (two-sided):\n\n" + markdown(
@@ -233,7 +236,8 @@ def comparison_table(ours, record):
     if not rows:
         raise RecordError(f"{ours.path} and {record.path}: no validation step in common")
     note = "" if ours.num_iterations == record.num_iterations else (
-        f"note: ours runs {ours.num_iterations} steps, the record {record.num_iterations}; steps compared by number\n\n")
+        f"note: ours runs {ours.num_iterations} steps, the record {record.num_iterations}; "
+        "steps compared by number\n\n")
     return note + markdown(["step", "ours val loss", "record val loss", "delta loss",
                             "ours time (ms)", "record time (ms)", "delta time (ms)"], rows)
 
@@ -448,7 +452,8 @@ def main(argv=None):
     p.add_argument("output")
     p = sub.add_parser("stats", help="statistics of the final val loss and train time of a set of runs")
     p.add_argument("logs", nargs="+", metavar="LOG|DIR")
-    p.add_argument("--against", nargs="+", metavar="LOG|DIR", help="a second set: Welch's t-tests of it against the first")
+    p.add_argument("--against", nargs="+", metavar="LOG|DIR",
+                   help="a second set: Welch's t-tests of it against the first")
     p.add_argument("--target", type=float, default=FINEWEB_TARGET, help="val loss of the one-sided test")
     p = sub.add_parser("compare", help="step-aligned validation of our run against a record's, and a PNG")
     p.add_argument("ours")
