@@ -168,14 +168,14 @@ class Commands(TempDir):
         rc, out, _ = self.command("stats", REFERENCE, "--target", "3.28")
         self.assertEqual(rc, 0)
         self.assertIn("| record25_692f80e0_steps.txt | 3.2794 | 173.789 |", out)
-        self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | 0.0345 | 176.594 | 2.430 |", out)
+        self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | 0.0345 | no | 176.594 | 2.430 |", out)
 
     def test_stats_against(self):
         a = [self.write(f"a{i}.txt", step_log(10, loss, 900)) for i, loss in enumerate((3.0, 3.2))]
         b = [self.write(f"b{i}.txt", step_log(10, loss, 900 + 100 * i)) for i, loss in enumerate((3.3, 3.5))]
         rc, out, _ = self.command("stats", *a, "--against", *b, "--target", "3.4")
         self.assertEqual(rc, 0)
-        self.assertIn("| A | 2 | 10 | 3.10000 | 0.14142 |", out)
+        self.assertIn("| A | 2 | 10 | 3.10000 | 0.14142 | 0.1024 | no | 0.900 | 0.000 |", out)
         self.assertIn("| val loss | 0.30000 | 2.121 | 2.00 | 0.1679 |", out)  # the df = 2 case above
         # A's times do not vary: t = 0.05 / sqrt(0.005 / 2) = 1, df = 1, Cauchy: p = 2 (1/2 - atan(1)/pi) = 0.5.
         self.assertIn("| train time (s) | 0.050 | 1.000 | 1.00 | 0.5000 |", out)
@@ -302,7 +302,7 @@ class Tables(TempDir):
         self.assertIn("| [2025-07-13_reference](records/2025-07-13_reference/) | 3.28 | 3 | 1770 | 3.27870 | 0.00062 | 0.0345 |", top)
         self.assertIn("| [2025-07-14_empty](records/2025-07-14_empty/) | 2.67 | 0 | n/a |", top)
         with open(os.path.join(folder, "README.md")) as f:
-            self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | 0.0345 | 176.594 | 2.430 |", f.read())
+            self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | 0.0345 | no | 176.594 | 2.430 |", f.read())
 
 
 if __name__ == "__main__":

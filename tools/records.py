@@ -199,12 +199,15 @@ def loss_and_seconds(runs):
 
 def set_row(runs, target):
     loss, seconds = loss_and_seconds(runs)
+    p = one_sample_less_p(loss, target)
+    significant = "n/a" if math.isnan(p) else "yes" if p < SIGNIFICANCE else "no"
     return [str(loss.n), str(runs[0].num_iterations), number(loss.mean, 5), number(loss.std, 5),
-            number(one_sample_less_p(loss, target), 4), number(seconds.mean, 3), number(seconds.std, 3)]
+            number(p, 4), significant, number(seconds.mean, 3), number(seconds.std, 3)]
 
 
 def set_header(target):
-    return ["runs", "steps", "val loss mean", "val loss std", f"p (mean < {target})", "time mean (s)", "time std (s)"]
+    return ["runs", "steps", "val loss mean", "val loss std", f"p (mean < {target})", f"p < {SIGNIFICANCE}",
+            "time mean (s)", "time std (s)"]
 
 
 def runs_table(runs):
@@ -407,7 +410,7 @@ def records_table(records_dir):
         folder = os.path.join(records_dir, name)
         target = record_target(folder)
         has_logs = any(n.endswith(".txt") for n in os.listdir(folder))
-        stats = set_row(finished_runs([folder]), target) if has_logs else ["0"] + ["n/a"] * 6
+        stats = set_row(finished_runs([folder]), target) if has_logs else ["0"] + ["n/a"] * 7
         rows.append([f"[{name}](records/{name}/)", str(target)] + stats)
     if not rows:
         return "No records yet: the first comes with the trainer's first runs (see `records/README.md`).\n"
