@@ -398,8 +398,12 @@ def record_target(folder):
     return float(m[1])
 
 
+def has_logs(folder):
+    return any(n.endswith(".txt") for n in os.listdir(folder))
+
+
 def record_results(folder):
-    if not any(n.endswith(".txt") for n in os.listdir(folder)):
+    if not has_logs(folder):
         return NO_RUNS
     return stats_report(finished_runs([folder]), record_target(folder))
 
@@ -409,8 +413,7 @@ def records_table(records_dir):
     for name in record_folders(records_dir):
         folder = os.path.join(records_dir, name)
         target = record_target(folder)
-        has_logs = any(n.endswith(".txt") for n in os.listdir(folder))
-        stats = set_row(finished_runs([folder]), target) if has_logs else ["0"] + ["n/a"] * 7
+        stats = set_row(finished_runs([folder]), target) if has_logs(folder) else ["0"] + ["n/a"] * 7
         rows.append([f"[{name}](records/{name}/)", str(target)] + stats)
     if not rows:
         return "No records yet: the first comes with the trainer's first runs (see `records/README.md`).\n"
