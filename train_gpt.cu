@@ -9,17 +9,23 @@
 #include "kernels/attention.cuh"
 #include "kernels/cross_entropy.cuh"
 #include "kernels/cuda_check.cuh"
+#include "kernels/device_comm.cuh"
 #include "kernels/embedding.cuh"
 #include "kernels/flash_attention.cuh"
 #include "kernels/matmul.cuh"
+#include "kernels/muon.cuh"
 #include "kernels/norms.cuh"
+#include "kernels/optimizers.cuh"
 #include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/schedules.h"
+#include "kernels/sharding.h"
 
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -62,6 +68,8 @@ struct Hyperparameters {
   std::string checkpoint_dir = "checkpoints";
   bool resume = false;              // continue from the newest checkpoint in checkpoint_dir
   std::string log_dir = "logs";
+  bool bf16_head = false;           // train with a bf16 lm_head instead of the FP8 one of SPEC 1.5
+  std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -118,6 +126,10 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"checkpoint-dir", &h.checkpoint_dir, "folder of the checkpoints", nullptr, ""},
       {"resume", &h.resume, "continue from the newest checkpoint in --checkpoint-dir", nullptr, ""},
       {"log-dir", &h.log_dir, "folder of the run logs", nullptr, ""},
+      {"bf16-head", &h.bf16_head, "train with a bf16 lm_head instead of the FP8 one (SPEC 1.5)", nullptr, ""},
+      {"grad-comm", &h.grad_comm, "gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc",
+       [&h] { return h.grad_comm == "fp32-rs" || h.grad_comm == "bf16-rs" || h.grad_comm == "a2a-fp32acc"; },
+       "one of fp32-rs, bf16-rs, a2a-fp32acc"},
   };
 }
 
@@ -518,11 +530,14 @@ class DeviceMemory {
   T* alloc(const std::string& name, size_t count) {
     T* p = device_alloc<T>(name, count);
     owned_.push_back(p);
+    allocated_bytes_ += count * sizeof(T);
     return p;
   }
+  size_t allocated_bytes() const { return allocated_bytes_; }
 
  private:
   std::vector<void*> owned_;
+  size_t allocated_bytes_ = 0;
 };
 
 struct ParameterStore {
@@ -564,15 +579,9 @@ struct ParameterStore {
   }
 };
 
-__global__ void fp32_to_bf16_kernel(const float* in, bf16* out, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16(in[i]);
-}
-
 // After every optimizer step: the bf16 copies the next forward reads (weight.type_as(x)).
 inline void refresh_weight_copies(const ParameterStore& s, cudaStream_t stream) {
-  fp32_to_bf16_kernel<<<elementwise_grid(s.master_count / 8 + 1), 256, 0, stream>>>(s.master, s.weights, s.master_count);
-  CUDA_CHECK_LAUNCH();
+  convert(s.master, s.weights, s.master_count, stream);
 }
 
 // SPEC 1.6 on the host from one seed: embeddings N(0, 1), qkv and c_fc U(+-sqrt(3) 0.5/sqrt(d)),
@@ -899,6 +908,497 @@ class GPT {
 };
 
 // ------------------------------------------------------------------------------------------------
+// Optimizers (SPEC 1.9, 1.10, 1.11) over the sharding plan of SPEC 4.3, fed by reduce-scatter:
+// rank r receives the SUMMED gradient of what it owns (a dim-0 slice of every Adam parameter, one
+// matrix of every chunk of W Muon matrices), updates it, and all-gathers it back. The one
+// normalisation, 1/M with M the global micro-sequence count (itself a SUM over ranks), happens in
+// the updates (SPEC 4.2). With W = 1 every collective is the identity and the rank owns everything.
+// ------------------------------------------------------------------------------------------------
+inline bool is_muon_param(ParamKind kind) {
+  return kind == ParamKind::qkv || kind == ParamKind::attn_proj || kind == ParamKind::mlp_fc ||
+         kind == ParamKind::mlp_proj;
+}
+
+inline ShardPlan shard_plan_of(const std::vector<Param>& list, int world_size) {
+  std::vector<ParamInfo> infos;
+  for (const Param& p : list)
+    infos.push_back({p.name, p.shape, is_muon_param(p.kind) ? OptimizerKind::muon : OptimizerKind::adam});
+  return plan_shards(infos, world_size);
+}
+
+inline double adam_lr_multiplier(const Hyperparameters& h, ParamKind kind) {
+  switch (kind) {
+    case ParamKind::embed:
+    case ParamKind::value_embed: return h.embed_lr_mul;
+    case ParamKind::lm_head: return h.head_lr_mul;
+    default: return h.scalar_lr_mul;
+  }
+}
+
+// A device (or host) buffer that is part of the training state: saved in checkpoints, restored
+// after warmup.
+struct StateBuffer {
+  std::string name;
+  void* data;
+  size_t bytes;
+};
+
+// The global micro-sequence count: the SUM of every rank's own count (the faults are the oracle's
+// injected bugs: normalising by the local count, or summing a replicated count W times).
+inline double global_micro_count(DeviceCommunicator& comm, int local_count, int global_batch) {
+  switch (injected_fault()) {
+    case Fault::local_count_normalization: return local_count;
+    case Fault::replicated_count_per_rank: return comm.all_reduce_sum(global_batch);
+    default: return comm.all_reduce_sum(local_count);
+  }
+}
+
+class Optimizers {
+ public:
+  Optimizers(const Hyperparameters& h, const ParameterStore& params, DeviceCommunicator& comm, DeviceMemory& memory)
+      : h_(h), schedule_(schedule_of(h)), params_(params), comm_(comm), grad_comm_(parse_grad_comm(h.grad_comm)),
+        plan_(shard_plan_of(params.list, comm.world_size())), muon_workspace_(largest_muon_matrix()) {
+    for (const AdamShard& s : plan_.adam) allocate_adam_state(s, memory);
+    for (const MuonGroup& g : plan_.muon)
+      for (const MuonChunk& c : g.chunks)
+        if (c.owner_param[comm.rank()] >= 0) allocate_muon_state(c.owner_param[comm.rank()], g, memory);
+    size_t largest = 0;  // one owner's share of the largest collective, padded over W
+    for (const AdamShard& s : plan_.adam) largest = std::max(largest, size_t(s.slice_elems()));
+    for (const MuonGroup& g : plan_.muon) largest = std::max(largest, size_t(g.matrix_elems()));
+    const size_t W = size_t(comm.world_size());
+    padded_ = memory.alloc<float>("optimizer padding scratch", W * largest);
+    traffic_ = memory.alloc<bf16>("bf16 gradient traffic scratch", 2 * W * largest);
+    zero_state();
+  }
+
+  Optimizers(const Optimizers&) = delete;  // the state refers into the plan
+  Optimizers& operator=(const Optimizers&) = delete;
+
+  void zero_state() {
+    for (const StateBuffer& b : state_buffers())
+      if (b.name != "adam steps") CUDA_CHECK(cudaMemset(b.data, 0, b.bytes));
+    adam_steps_ = 0;
+  }
+
+  // Training step `step` (0-based) after the rank's gradients are summed over its
+  // local_micro_sequences; M, the global count, is their SUM over the ranks.
+  void step(int step, int local_micro_sequences, cudaStream_t stream) {
+    float grad_scale = float(1.0 / global_micro_count(comm_, local_micro_sequences, h_.micro_batches));
+    if (injected_fault() == Fault::prescale_by_world) grad_scale /= float(comm_.world_size());
+    ++adam_steps_;
+    for (const AdamShard& shard : plan_.adam) adam_step(shard, step, grad_scale, stream);
+    for (const MuonGroup& group : plan_.muon)
+      for (const MuonChunk& chunk : group.chunks) muon_step(group, chunk, step, grad_scale, stream);
+    refresh_weight_copies(params_, stream);
+  }
+
+  // This rank's optimizer state, in plan order (Adam slices, then owned Muon matrices).
+  std::vector<StateBuffer> state_buffers() {
+    std::vector<StateBuffer> state;
+    for (const AdamState& a : adam_) {
+      const std::string& name = params_.list[a.shard->param].name;
+      size_t bytes = a.shard->slice_elems() * (params_.list[a.shard->param].is_embedding() ? sizeof(bf16) : sizeof(float));
+      state.push_back({"adam m " + name, a.m, bytes});
+      state.push_back({"adam v " + name, a.v, bytes});
+    }
+    for (const auto& [param, momentum] : muon_momentum_)
+      state.push_back({"muon momentum " + params_.list[param].name, momentum, params_.list[param].numel * sizeof(float)});
+    state.push_back({"adam steps", &adam_steps_, sizeof adam_steps_});
+    return state;
+  }
+
+ private:
+  struct AdamState {
+    const AdamShard* shard;
+    void* m;  // [slice]: bf16 for the embeddings (state has the param's dtype, as the reference), fp32 otherwise
+    void* v;
+  };
+
+  void allocate_adam_state(const AdamShard& s, DeviceMemory& memory) {
+    const Param& p = params_.list[s.param];
+    AdamState a{&s, nullptr, nullptr};
+    if (p.is_embedding()) {
+      a.m = memory.alloc<bf16>("Adam m of " + p.name, s.slice_elems());
+      a.v = memory.alloc<bf16>("Adam v of " + p.name, s.slice_elems());
+    } else {
+      a.m = memory.alloc<float>("Adam m of " + p.name, s.slice_elems());
+      a.v = memory.alloc<float>("Adam v of " + p.name, s.slice_elems());
+    }
+    adam_.push_back(a);
+  }
+
+  void allocate_muon_state(int param, const MuonGroup& g, DeviceMemory& memory) {
+    muon_momentum_.emplace_back(param, memory.alloc<float>("Muon momentum of " + params_.list[param].name, g.matrix_elems()));
+  }
+
+  size_t largest_muon_matrix() const {
+    size_t largest = 0;
+    for (const MuonGroup& g : plan_.muon) largest = std::max(largest, size_t(g.matrix_elems()));
+    return largest;
+  }
+
+  // The rank's summed gradient share: send [W * count] are the rank's partial sums (`local` when
+  // W * count of them exist there, else copied into the zero-padded scratch); the result lands in
+  // place, at send + rank * count, which the return value points to.
+  float* reduce_scatter(const float* local, size_t local_count, size_t count, cudaStream_t stream) {
+    const size_t W = size_t(comm_.world_size());
+    float* send = const_cast<float*>(local);
+    if (local_count < W * count) {
+      send = padded_;
+      CUDA_CHECK(cudaMemsetAsync(send, 0, W * count * sizeof(float), stream));
+      CUDA_CHECK(cudaMemcpyAsync(send, local, local_count * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    }
+    float* recv = send + comm_.rank() * count;
+    reduce_scatter_grads(comm_, grad_comm_, send, recv, count, traffic_, stream);
+    return recv;
+  }
+
+  // The parameter whole again on every rank: `whole` [valid elements] receives slot q of every
+  // rank q; the own slot is at whole + rank * count. Without room for W * count elements the
+  // gather goes through the scratch and the valid part is copied back.
+  template <typename T>
+  void all_gather(T* whole, size_t valid, size_t count, cudaStream_t stream) {
+    const size_t W = size_t(comm_.world_size());
+    const DeviceDType dtype = std::is_same_v<T, float> ? DeviceDType::f32 : DeviceDType::bf16;
+    T* own = whole + comm_.rank() * count;
+    if (valid >= W * count) {
+      comm_.all_gather(own, whole, count, dtype, stream);
+      return;
+    }
+    T* gathered = reinterpret_cast<T*>(padded_);
+    size_t own_valid = std::min(count, valid > comm_.rank() * count ? valid - comm_.rank() * count : 0);
+    CUDA_CHECK(cudaMemcpyAsync(gathered + comm_.rank() * count, own, own_valid * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    comm_.all_gather(gathered + comm_.rank() * count, gathered, count, dtype, stream);
+    CUDA_CHECK(cudaMemcpyAsync(whole, gathered, valid * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+  }
+
+  void adam_step(const AdamShard& shard, int step, float grad_scale, cudaStream_t stream) {
+    const Param& p = params_.list[shard.param];
+    const AdamState& state = adam_[&shard - plan_.adam.data()];
+    const size_t slice = shard.slice_elems(), n = size_t(p.numel);
+    const int r = comm_.rank(), W = comm_.world_size();
+    const int64_t valid = shard.valid_rows(r) * shard.row_elems;
+    const int owner = injected_fault() == Fault::wrong_shard_offset ? (r + 1) % W : r;  // the oracle's bug
+    AdamStep s{float(h_.adam_lr * adam_lr_multiplier(h_, p.kind) * schedule_.lr_factor(step)), float(h_.adam_beta1),
+               float(h_.adam_beta2), float(h_.adam_eps), adam_steps_, grad_scale};
+    if (p.is_embedding()) {
+      const float* grad = reduce_scatter(params_.embedding_grads + p.offset, n, slice, stream);
+      bf16* whole = params_.embeddings + p.offset;
+      if (valid > 0)
+        adam_update(whole + owner * slice, grad, static_cast<bf16*>(state.m), static_cast<bf16*>(state.v), valid, s, stream);
+      all_gather(whole, n, slice, stream);
+    } else {
+      const float* grad = reduce_scatter(params_.grads + p.offset, n, slice, stream);
+      float* whole = params_.master + p.offset;
+      if (valid > 0)
+        adam_update(whole + owner * slice, grad, static_cast<float*>(state.m), static_cast<float*>(state.v), valid, s, stream);
+      all_gather(whole, n, slice, stream);
+    }
+  }
+
+  // Chunk members are consecutive in storage: member q of the chunk sits `q` matrices after the first.
+  void muon_step(const MuonGroup& group, const MuonChunk& chunk, int step, float grad_scale, cudaStream_t stream) {
+    const size_t matrix = size_t(group.matrix_elems());
+    size_t members = 0;
+    for (int param : chunk.owner_param) members += param >= 0;
+    const size_t first = params_.list[chunk.owner_param[0]].offset;
+    const float* grad = reduce_scatter(params_.grads + first, members * matrix, matrix, stream);
+    const int mine = chunk.owner_param[comm_.rank()];
+    if (mine >= 0) {
+      const int rows = int(group.shape[group.shape.size() - 2]), cols = int(group.shape.back());
+      MuonStep s{float(h_.muon_lr * schedule_.lr_factor(step)), float(schedule_.muon_momentum(step)), grad_scale};
+      muon_update(params_.master + params_.list[mine].offset, grad, momentum_of(mine), int(matrix / (size_t(rows) * cols)),
+                  rows, cols, s, muon_workspace_, matmul_, stream);
+    }
+    if (injected_fault() != Fault::skip_all_gather) all_gather(params_.master + first, members * matrix, matrix, stream);
+  }
+
+  float* momentum_of(int param) const {
+    for (const auto& [p, momentum] : muon_momentum_)
+      if (p == param) return momentum;
+    throw std::logic_error("no Muon momentum for " + params_.list[param].name + " on this rank");
+  }
+
+  const Hyperparameters& h_;
+  Schedule schedule_;
+  const ParameterStore& params_;
+  DeviceCommunicator& comm_;
+  GradComm grad_comm_;
+  ShardPlan plan_;
+  MuonWorkspace muon_workspace_;
+  Matmul matmul_;
+  std::vector<AdamState> adam_;                           // [plan_.adam.size()]
+  std::vector<std::pair<int, float*>> muon_momentum_;     // owned Muon parameters and their momentum
+  float* padded_ = nullptr;                               // [W * largest share]
+  bf16* traffic_ = nullptr;                               // [2 * W * largest share] bf16 gradient traffic
+  int64_t adam_steps_ = 0;
+};
+
+// Rank consistency (SPEC 4.3): every rank must hold the same parameters. Each parameter's word sum
+// goes through a SUM all-reduce (it equals W times the own value on every rank only when all are
+// equal), and so does each rank's verdict, so every rank names the same first parameter.
+inline void check_rank_consistency(const ParameterStore& params, DeviceCommunicator& comm,
+                                   unsigned long long* scratch, cudaStream_t stream) {
+  for (const Param& p : params.list) {
+    const void* data = p.is_embedding() ? static_cast<const void*>(params.embeddings + p.offset)
+                                        : static_cast<const void*>(params.master + p.offset);
+    // 40 bits of the sum: exact in a double even when summed over 4096 ranks
+    double mine = double(device_word_sum(data, p.numel * (p.is_embedding() ? 2 : 4), scratch, stream) & ((1ull << 40) - 1));
+    bool differs = comm.all_reduce_sum(mine) != mine * comm.world_size();
+    if (comm.all_reduce_sum(differs ? 1 : 0) > 0)
+      throw std::runtime_error("ranks disagree on parameter " + p.name + " (rank " + std::to_string(comm.rank()) +
+                               (differs ? " differs from the mean)" : " agrees with the mean)"));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Training state: everything the rest of a run depends on, for checkpoints and the warmup restore.
+// ------------------------------------------------------------------------------------------------
+struct RunCounters {
+  int step = 0;           // optimizer steps done
+  double train_ms = 0;    // timed training so far
+  uint64_t seed = 0;      // the initialisation seed (logged again on resume)
+};
+
+inline std::vector<StateBuffer> training_state(const ParameterStore& params, Optimizers& optimizers,
+                                               RunCounters& counters) {
+  std::vector<StateBuffer> state{{"embeddings", params.embeddings, params.embedding_count * sizeof(bf16)},
+                                 {"masters", params.master, params.master_count * sizeof(float)}};
+  for (const StateBuffer& b : optimizers.state_buffers()) state.push_back(b);
+  state.push_back({"train_ms", &counters.train_ms, sizeof counters.train_ms});
+  state.push_back({"seed", &counters.seed, sizeof counters.seed});
+  return state;
+}
+
+inline Checkpoint capture_state(const std::vector<StateBuffer>& state, int step) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  Checkpoint c;
+  c.step = step;
+  for (const StateBuffer& b : state) {
+    std::vector<uint8_t> bytes(b.bytes);
+    CUDA_CHECK(cudaMemcpy(bytes.data(), b.data, b.bytes, cudaMemcpyDefault));
+    c.blobs.emplace_back(b.name, std::move(bytes));
+  }
+  return c;
+}
+
+// path names the checkpoint in errors ("" for the in-memory warmup snapshot).
+inline void restore_state(const Checkpoint& c, const std::string& path, const std::vector<StateBuffer>& state,
+                          const ParameterStore& params) {
+  for (const StateBuffer& b : state) {
+    const std::vector<uint8_t>& bytes = c.blob(b.name, path);
+    if (bytes.size() != b.bytes)
+      throw CheckpointError(path + ": '" + b.name + "' holds " + std::to_string(bytes.size()) + " bytes, this model needs " +
+                            std::to_string(b.bytes) + " (a checkpoint of another configuration?)");
+    CUDA_CHECK(cudaMemcpy(b.data, bytes.data(), b.bytes, cudaMemcpyDefault));
+  }
+  refresh_weight_copies(params, 0);
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// ------------------------------------------------------------------------------------------------
+// The run: warmup, then steps with validation, logging and checkpoints (SPEC 1.8, 1.11, Part 2).
+// ------------------------------------------------------------------------------------------------
+// Copies one micro-sequence's tokens [T + 1] to the device: inputs [0, T), targets [1, T + 1).
+inline void upload_micro_sequence(Activations& acts, const uint16_t* tokens, int T, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemcpyAsync(acts.inputs, tokens, T * sizeof(uint16_t), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(acts.targets, tokens + 1, T * sizeof(uint16_t), cudaMemcpyHostToDevice, stream));
+}
+
+// The summed token losses of the last micro-sequence (a sync: the host needs the number).
+inline double summed_losses(const Activations& acts, int T, cudaStream_t stream) {
+  std::vector<float> losses(T);
+  CUDA_CHECK(cudaMemcpyAsync(losses.data(), acts.losses, T * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  double sum = 0;
+  for (float l : losses) sum += l;
+  return sum;
+}
+
+// Mean validation token loss with the window of the current step: each rank sums the token losses
+// and counts of its sequences; both sums are SUM-reduced, the mean is their ratio (SPEC 4.2).
+inline double validate(GPT& model, Activations& eval, const ValidationPlan& val, int window_blocks,
+                       DeviceCommunicator& comm, cudaStream_t stream) {
+  double loss_sum = 0, tokens = 0;
+  const int T = int(val.seq_len());
+  for (int64_t s : val.sequences_of_rank(comm.rank(), comm.world_size())) {
+    upload_micro_sequence(eval, val.sequence(s), T, stream);
+    MicroSequencePlan plan(val.sequence(s), T, model.config(), window_blocks);
+    model.step(eval, T, plan, /*backward=*/false, /*fp8_head=*/false, stream);
+    loss_sum += summed_losses(eval, T, stream);
+    tokens += T;
+  }
+  return comm.all_reduce_sum(loss_sum) / comm.all_reduce_sum(tokens);
+}
+
+// Forward+backward of the rank's micro-sequences, gradients SUMMED into the parameter gradients
+// (zeroed first). Returns the summed token losses.
+inline double accumulate_gradients(GPT& model, Activations& acts, const RankBatch& batch, int window_blocks,
+                                   bool fp8_head, cudaStream_t stream) {
+  const int T = int(batch.micro_len);
+  model.params.zero_grads(stream);
+  double loss_sum = 0;
+  for (int j = 0; j < batch.num_micro; ++j) {
+    const uint16_t* tokens = batch.tokens + size_t(j) * (T + 1);
+    upload_micro_sequence(acts, tokens, T, stream);
+    MicroSequencePlan plan(tokens, T, model.config(), window_blocks);
+    model.step(acts, T, plan, /*backward=*/true, fp8_head, stream);
+    loss_sum += summed_losses(acts, T, stream);
+  }
+  return loss_sum;
+}
+
+// One optimizer step (SPEC 1.11): gradients, then both optimizers. Returns the mean training token
+// loss (the console shows it; NaN stops the run).
+inline double train_step(GPT& model, Activations& acts, Optimizers& optimizers, const RankBatch& batch, int step,
+                         const Schedule& schedule, bool fp8_head, cudaStream_t stream) {
+  double loss_sum = accumulate_gradients(model, acts, batch, schedule.window_blocks(step), fp8_head, stream);
+  optimizers.step(step, batch.num_micro, stream);
+  return loss_sum / (double(batch.num_micro) * batch.micro_len);
+}
+
+inline PrefetchLoader training_loader(const Hyperparameters& h, int start_step) {
+  BatchPlan plan(h.train_files, h.seq_len, h.micro_batches, kTokenizerVocab);
+  for (int s = 0; s < start_step; ++s) plan.next();  // resume: the windows already trained on
+  return PrefetchLoader(std::move(plan), /*rank=*/0, /*world_size=*/1, /*depth=*/2,
+                        [](size_t bytes) {
+                          void* p = nullptr;
+                          return cudaHostAlloc(&p, bytes, cudaHostAllocDefault) == cudaSuccess ? p : nullptr;
+                        },
+                        [](void* p) { cudaFreeHost(p); });
+}
+
+inline uint64_t fresh_seed() {
+  std::random_device entropy;
+  return (uint64_t(entropy()) << 32 | entropy()) | 1;  // never 0, which means "pick one"
+}
+
+// Model FLOPs per token of one training step (6 N for the matmuls; attention is left out, so
+// MFU is a lower bound), for the console's MFU.
+inline double training_flops_per_token(const std::vector<Param>& params) {
+  double matmul_params = 0;
+  for (const Param& p : params)
+    if (!p.is_embedding() && p.kind != ParamKind::scalars) matmul_params += double(p.numel);
+  return 6 * matmul_params;
+}
+
+inline void log_parameters(RunLog& log, const Hyperparameters& h, const std::vector<Param>& params) {
+  int64_t total = 0, embeddings = 0;
+  for (const Param& p : params) {
+    std::string shape;
+    for (int64_t d : p.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+    double lr_mul = is_muon_param(p.kind) ? 1.0 : adam_lr_multiplier(h, p.kind);
+    char line[256];
+    std::snprintf(line, sizeof line, "%s: [%s] %s wd_mul=0.0 lr_mul=%g", p.name.c_str(), shape.c_str(),
+                  p.is_embedding() ? "bfloat16" : "float32", lr_mul);
+    log.line(line, /*console=*/false);
+    total += p.numel;
+    embeddings += p.is_embedding() ? p.numel : 0;
+  }
+  log.line("parameters: " + std::to_string(total) + " total, " + std::to_string(embeddings) + " embedding, " +
+           std::to_string(total - embeddings) + " non-embedding");
+}
+
+// Kernel warmup on real training data (SPEC 1.8), untimed; the caller restores the state after.
+inline void warm_up(const Hyperparameters& h, GPT& model, Activations& acts, Optimizers& optimizers,
+                    const Schedule& schedule, bool fp8_head, cudaStream_t stream) {
+  PrefetchLoader loader = training_loader(h, 0);
+  for (int i = 0; i < h.warmup_steps; ++i) {
+    int step = std::min(i, h.num_iterations - 1);
+    train_step(model, acts, optimizers, loader.next(), step, schedule, fp8_head, stream);
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+constexpr double kH100DenseBf16Flops = 989e12;  // H100 SXM dense bf16 tensor-core peak (datasheet)
+
+inline std::string console_step_line(const std::string& log_line, double loss, double step_ms, int tokens_per_step,
+                                     double flops_per_token, int steps_left) {
+  char extra[160];
+  double tokens_per_s = tokens_per_step / (step_ms / 1000);
+  std::snprintf(extra, sizeof extra, " loss:%.4f tok/s:%.0f mfu:%.1f%% eta:%.1fmin", loss, tokens_per_s,
+                100 * tokens_per_s * flops_per_token / kH100DenseBf16Flops, steps_left * step_ms / 60000);
+  return log_line + extra;
+}
+
+int run_training(const Hyperparameters& h) {
+  require_hopper_gpu(0);
+  const Schedule schedule = schedule_of(h);
+  const bool fp8_head = !h.bf16_head;
+  GPTConfig config;
+  DeviceMemory memory;
+  GPT model(config, memory);
+  SingleRankCommunicator comm;
+  Optimizers optimizers(h, model.params, comm, memory);
+  unsigned long long* checksum = memory.alloc<unsigned long long>("parameter checksum", 1);
+  Activations train(config, h.seq_len, /*backward=*/true, memory), eval(config, h.val_seq_len, false, memory);
+  ValidationPlan val(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab);
+  RunCounters counters;
+  std::vector<StateBuffer> state = training_state(model.params, optimizers, counters);
+  const std::string resume_from = h.resume ? newest_checkpoint(h.checkpoint_dir) : "";
+  if (h.resume && resume_from.empty()) throw std::runtime_error("--resume: no checkpoint in " + h.checkpoint_dir);
+
+  counters.seed = h.seed ? h.seed : fresh_seed();
+  initialize_parameters(config, model.params, counters.seed);
+  RunLog log(h.log_dir, new_run_id());
+  log.header(trainer_source(), environment_report());
+  log_parameters(log, h, model.params.list);
+  std::printf("run log: %s\n", log.path().c_str());
+
+  if (h.warmup_steps > 0) {  // before a resume too: the checkpoint's state replaces what warmup touched
+    Checkpoint initial = capture_state(state, 0);
+    warm_up(h, model, train, optimizers, schedule, fp8_head, 0);
+    restore_state(initial, "", state, model.params);
+  }
+  if (!resume_from.empty()) {
+    Checkpoint c = read_checkpoint(resume_from);
+    restore_state(c, resume_from, state, model.params);
+    counters.step = c.step;
+    log.line("resumed from " + resume_from + " at step " + std::to_string(c.step));
+  }
+  char seed_line[64];
+  std::snprintf(seed_line, sizeof seed_line, "seed: %" PRIu64, counters.seed);
+  log.line(seed_line);
+
+  const double flops_per_token = training_flops_per_token(model.params.list);
+  const int tokens_per_step = h.micro_batches * h.seq_len;
+  std::string last_checkpoint = resume_from.empty() ? "none" : resume_from;
+  PrefetchLoader loader = training_loader(h, counters.step);
+  for (int step = counters.step;; ++step) {
+    const bool last = step == h.num_iterations;
+    if (last || (h.val_every > 0 && step % h.val_every == 0) || step == 0) {
+      check_rank_consistency(model.params, comm, checksum, 0);
+      double val_loss = validate(model, eval, val, schedule.window_blocks(step), comm, 0);
+      log.line(validation_line(step, h.num_iterations, val_loss, counters.train_ms));
+      if (!std::isfinite(val_loss))
+        throw std::runtime_error("validation loss is " + std::to_string(val_loss) + " at step " + std::to_string(step) +
+                                 "; last good checkpoint: " + last_checkpoint);
+    }
+    if (last || (h.checkpoint_every > 0 && step > counters.step && step % h.checkpoint_every == 0)) {
+      write_checkpoint(h.checkpoint_dir, capture_state(state, step));
+      last_checkpoint = checkpoint_path(h.checkpoint_dir, step);
+    }
+    if (last) break;
+    auto start = std::chrono::steady_clock::now();
+    double loss = train_step(model, train, optimizers, loader.next(), step, schedule, fp8_head, 0);
+    double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    counters.train_ms += step_ms;
+    if (!std::isfinite(loss))
+      throw std::runtime_error("training loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1) +
+                               "; last good checkpoint: " + last_checkpoint);
+    if (step == counters.step) check_rank_consistency(model.params, comm, checksum, 0);  // after the first step
+    std::string line = train_step_line(step + 1, h.num_iterations, counters.train_ms);
+    log.line(line, /*console=*/false);
+    std::printf("%s\n", console_step_line(line, loss, step_ms, tokens_per_step, flops_per_token,
+                                          h.num_iterations - step - 1).c_str());
+  }
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  log.line(peak_memory_line(memory.allocated_bytes(), total_bytes - free_bytes));
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------------
 #ifndef TRAIN_GPT_NO_MAIN  // tests include this file for its host and device code
 int main(int argc, char** argv) {
   Hyperparameters h;
@@ -912,21 +1412,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    int devices = 0;
-    CUDA_CHECK(cudaGetDeviceCount(&devices));
-    require_hopper_gpu(0);
-    for (const std::string& pattern : {h.train_files, h.val_files}) {
-      std::vector<std::string> files = list_shards(pattern);
-      size_t tokens = 0;
-      for (const std::string& f : files) tokens += read_shard(f, kTokenizerVocab).size();
-      std::printf("%s: %zu shard(s), %zu tokens, all checked\n", pattern.c_str(), files.size(), tokens);
-    }
+    return run_training(h);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   }
-  std::fprintf(stderr, "train_gpt: the GPU training step is not implemented yet (see the open issues); "
-                       "nothing was trained.\n");
-  return 2;
 }
 #endif

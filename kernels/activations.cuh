@@ -28,11 +28,6 @@ __global__ void relu_squared_backward_kernel(const bf16* u, const bf16* da, bf16
   }
 }
 
-inline int elementwise_grid(size_t vectors) {
-  size_t blocks = (vectors + 255) / 256;
-  return int(blocks < 132 * 16 ? blocks : 132 * 16);  // a grid-stride loop past 16 blocks per SM
-}
-
 inline void relu_squared_forward(const bf16* u, bf16* a, size_t n, cudaStream_t stream) {
   if (n % 8) throw std::invalid_argument("relu_squared: size must be a multiple of 8");
   relu_squared_forward_kernel<<<elementwise_grid(n / 8), 256, 0, stream>>>(u, a, n / 8);

@@ -59,29 +59,28 @@ struct WorldAborted : std::runtime_error {
   WorldAborted() : std::runtime_error("another rank of the simulated world failed") {}
 };
 
-// W virtual ranks in host memory. Each collective: every rank posts its send pointer, meets the
-// others at a barrier, computes its own output by reading all posted buffers in rank order, and
-// meets them again before any send buffer may be reused.
-class SimulatedWorld {
+// W ranks as threads of one process that meet at barriers. If a rank throws, the others are
+// released from any barrier they wait in (with WorldAborted), and run() rethrows the error of the
+// lowest rank that failed on its own (deterministic, unlike "first in time"): nothing hangs.
+// The simulated worlds of host memory (below) and of device memory (kernels/device_comm.cuh)
+// build their collectives on it.
+class RankThreads {
  public:
-  explicit SimulatedWorld(int world_size) : world_size_(world_size), posted_(world_size), scalars_(world_size) {
+  explicit RankThreads(int world_size) : world_size_(world_size) {
     if (world_size < 1) throw std::invalid_argument("world size " + std::to_string(world_size) + " < 1");
   }
   int world_size() const { return world_size_; }
 
-  // Runs per_rank on W threads and joins them. If a rank throws, the others are released from
-  // any collective they wait in (with WorldAborted), and the error of the lowest rank that failed
-  // on its own is rethrown here (deterministic, unlike "first in time"): nothing hangs.
-  void run(const std::function<void(Communicator&)>& per_rank) {
+  // Runs per_rank(rank) on W threads and joins them.
+  void run(const std::function<void(int rank)>& per_rank) {
     aborted_ = false;
     std::vector<std::exception_ptr> errors(world_size_);
     std::vector<std::thread> threads;
     try {
       for (int r = 0; r < world_size_; ++r)
         threads.emplace_back([&, r] {
-          Rank comm(*this, r);
           try {
-            per_rank(comm);
+            per_rank(r);
           } catch (...) {
             errors[r] = std::current_exception();
             abort_all();
@@ -103,70 +102,6 @@ class SimulatedWorld {
     if (first_any) std::rethrow_exception(first_any);
   }
 
- private:
-  class Rank : public Communicator {
-   public:
-    Rank(SimulatedWorld& world, int rank) : world_(world), rank_(rank) {}
-    int rank() const override { return rank_; }
-    int world_size() const override { return world_.world_size_; }
-    void reduce_scatter_sum(const void* send, void* recv, size_t count, DType dtype) override {
-      world_.collective(rank_, send, [&] { world_.reduce_own_chunk(rank_, recv, count, dtype); });
-    }
-    void all_gather(const void* send, void* recv, size_t count, DType dtype) override {
-      world_.collective(rank_, send, [&] {
-        size_t bytes = count * dtype_size(dtype);
-        for (int q = 0; q < world_.world_size_; ++q)
-          std::memcpy(static_cast<char*>(recv) + q * bytes, world_.posted_[q], bytes);
-      });
-    }
-    void all_to_all(const void* send, void* recv, size_t count, DType dtype) override {
-      world_.collective(rank_, send, [&] {
-        size_t bytes = count * dtype_size(dtype);
-        for (int q = 0; q < world_.world_size_; ++q)
-          std::memcpy(static_cast<char*>(recv) + q * bytes, static_cast<const char*>(world_.posted_[q]) + rank_ * bytes, bytes);
-      });
-    }
-    double all_reduce_sum(double value) override {
-      double sum = 0;
-      world_.scalars_[rank_] = value;
-      world_.collective(rank_, nullptr, [&] {
-        for (double v : world_.scalars_) sum += v;
-      });
-      return sum;
-    }
-    void barrier() override { world_.meet(); }
-
-   private:
-    SimulatedWorld& world_;
-    int rank_;
-  };
-
-  // out: [count] = rank-order sum of every posted send's chunk `rank`, accumulated in T so that
-  // the result does not depend on thread timing. The test-only faults are read once per call.
-  template <typename T>
-  void reduce_chunk(int rank, T* out, size_t count) const {
-    const Fault fault = injected_fault();
-    const int contributors = fault == Fault::drop_rank_contribution && world_size_ > 1 ? world_size_ - 1 : world_size_;
-    const bool average = fault == Fault::avg_instead_of_sum;
-    for (size_t i = 0; i < count; ++i) {
-      T sum = 0;
-      for (int q = 0; q < contributors; ++q) sum += static_cast<const T*>(posted_[q])[rank * count + i];
-      out[i] = average ? sum / T(world_size_) : sum;
-    }
-  }
-  void reduce_own_chunk(int rank, void* recv, size_t count, DType dtype) const {
-    if (dtype == DType::f32) reduce_chunk(rank, static_cast<float*>(recv), count);
-    else reduce_chunk(rank, static_cast<double*>(recv), count);
-  }
-
-  // Post, meet, compute this rank's output, meet again.
-  void collective(int rank, const void* send, const std::function<void()>& compute_own_output) {
-    posted_[rank] = send;
-    meet();
-    compute_own_output();
-    meet();
-  }
-
   // A generation-counting barrier that throws WorldAborted once any rank failed.
   void meet() {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -182,6 +117,7 @@ class SimulatedWorld {
     if (generation_ == generation) throw WorldAborted();
   }
 
+ private:
   void abort_all() {
     std::lock_guard<std::mutex> lock(mutex_);
     aborted_ = true;
@@ -190,11 +126,94 @@ class SimulatedWorld {
   }
 
   int world_size_;
-  std::vector<const void*> posted_;  // [W] send buffers of the collective in progress
-  std::vector<double> scalars_;      // [W] values of the scalar all-reduce in progress
   std::mutex mutex_;
   std::condition_variable cv_;
   int arrived_ = 0;
   uint64_t generation_ = 0;
   bool aborted_ = false;
+};
+
+// W virtual ranks in host memory. Each collective: every rank posts its send pointer, meets the
+// others at a barrier, computes its own output by reading all posted buffers in rank order, and
+// meets them again before any send buffer may be reused.
+class SimulatedWorld {
+ public:
+  explicit SimulatedWorld(int world_size) : threads_(world_size), posted_(world_size), scalars_(world_size) {}
+  int world_size() const { return threads_.world_size(); }
+
+  void run(const std::function<void(Communicator&)>& per_rank) {
+    threads_.run([&](int rank) {
+      Rank comm(*this, rank);
+      per_rank(comm);
+    });
+  }
+
+ private:
+  class Rank : public Communicator {
+   public:
+    Rank(SimulatedWorld& world, int rank) : world_(world), rank_(rank) {}
+    int rank() const override { return rank_; }
+    int world_size() const override { return world_.world_size(); }
+    void reduce_scatter_sum(const void* send, void* recv, size_t count, DType dtype) override {
+      world_.collective(rank_, send, [&] { world_.reduce_own_chunk(rank_, recv, count, dtype); });
+    }
+    void all_gather(const void* send, void* recv, size_t count, DType dtype) override {
+      world_.collective(rank_, send, [&] {
+        size_t bytes = count * dtype_size(dtype);
+        for (int q = 0; q < world_.world_size(); ++q)
+          std::memcpy(static_cast<char*>(recv) + q * bytes, world_.posted_[q], bytes);
+      });
+    }
+    void all_to_all(const void* send, void* recv, size_t count, DType dtype) override {
+      world_.collective(rank_, send, [&] {
+        size_t bytes = count * dtype_size(dtype);
+        for (int q = 0; q < world_.world_size(); ++q)
+          std::memcpy(static_cast<char*>(recv) + q * bytes, static_cast<const char*>(world_.posted_[q]) + rank_ * bytes, bytes);
+      });
+    }
+    double all_reduce_sum(double value) override {
+      double sum = 0;
+      world_.scalars_[rank_] = value;
+      world_.collective(rank_, nullptr, [&] {
+        for (double v : world_.scalars_) sum += v;
+      });
+      return sum;
+    }
+    void barrier() override { world_.threads_.meet(); }
+
+   private:
+    SimulatedWorld& world_;
+    int rank_;
+  };
+
+  // out: [count] = rank-order sum of every posted send's chunk `rank`, accumulated in T so that
+  // the result does not depend on thread timing. The test-only faults are read once per call.
+  template <typename T>
+  void reduce_chunk(int rank, T* out, size_t count) const {
+    const Fault fault = injected_fault();
+    const int world_size = threads_.world_size();
+    const int contributors = fault == Fault::drop_rank_contribution && world_size > 1 ? world_size - 1 : world_size;
+    const bool average = fault == Fault::avg_instead_of_sum;
+    for (size_t i = 0; i < count; ++i) {
+      T sum = 0;
+      for (int q = 0; q < contributors; ++q) sum += static_cast<const T*>(posted_[q])[rank * count + i];
+      out[i] = average ? sum / T(world_size) : sum;
+    }
+  }
+  void reduce_own_chunk(int rank, void* recv, size_t count, DType dtype) const {
+    if (dtype == DType::f32) reduce_chunk(rank, static_cast<float*>(recv), count);
+    else reduce_chunk(rank, static_cast<double*>(recv), count);
+  }
+
+  // Post, meet, compute this rank's output, meet again.
+  void collective(int rank, const void* send, const std::function<void()>& compute_own_output) {
+    posted_[rank] = send;
+    threads_.meet();
+    compute_own_output();
+    threads_.meet();
+  }
+
+  RankThreads threads_;
+  std::vector<const void*> posted_;  // [W] send buffers of the collective in progress
+  std::vector<double> scalars_;      // [W] values of the scalar all-reduce in progress
 };

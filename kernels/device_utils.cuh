@@ -1,5 +1,8 @@
-// Small device helpers shared by the kernel headers: warp/block reductions and 16-byte bf16 vectors.
+// Small device helpers shared by the kernel headers: warp/block reductions, 16-byte bf16 vectors,
+// the grid of elementwise kernels, fp32 <-> bf16 conversion.
 #pragma once
+#include "kernels/cuda_check.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -49,4 +52,43 @@ __device__ inline void store8(bf16* p, const float in[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) x.v[i] = __float2bfloat16(in[i]);
   *reinterpret_cast<Bf16x8*>(p) = x;
+}
+
+// 256-thread blocks over `items`, grid-stride past 16 blocks per SM (132 SMs on an H100).
+inline int elementwise_grid(size_t items) {
+  size_t blocks = (items + 255) / 256;
+  return int(blocks < 132 * 16 ? blocks : 132 * 16);
+}
+
+template <typename From, typename To>
+__global__ void convert_kernel(const From* in, To* out, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = To(float(in[i]));
+}
+
+// out[n] = in[n] converted (fp32 -> bf16 rounds to nearest even)
+template <typename From, typename To>
+void convert(const From* in, To* out, size_t n, cudaStream_t stream) {
+  convert_kernel<<<elementwise_grid(n), 256, 0, stream>>>(in, out, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+// *sum += the 32-bit words of data[words] added as integers: independent of the order of the
+// additions, so equal buffers give equal sums on every GPU (a checksum, not a hash).
+__global__ void word_sum_kernel(const uint32_t* data, size_t words, unsigned long long* sum) {
+  unsigned long long local = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
+    local += data[i];
+  atomicAdd(sum, local);
+}
+
+// The word sum of `bytes` (a multiple of 4) at data; synchronous (the caller compares it on the host).
+inline uint64_t device_word_sum(const void* data, size_t bytes, unsigned long long* scratch, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(scratch, 0, sizeof *scratch, stream));
+  word_sum_kernel<<<elementwise_grid(bytes / 4), 256, 0, stream>>>(static_cast<const uint32_t*>(data), bytes / 4, scratch);
+  CUDA_CHECK_LAUNCH();
+  unsigned long long sum = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&sum, scratch, sizeof sum, cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  return sum;
 }

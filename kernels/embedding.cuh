@@ -29,9 +29,7 @@ inline void check_embedding_width(int d) {
 // tokens [T] (device), table [V, d], out [T, d]
 inline void embedding_forward(const uint16_t* tokens, const bf16* table, bf16* out, int T, int d, cudaStream_t stream) {
   check_embedding_width(d);
-  size_t vectors = size_t(T) * (d / 8);
-  size_t blocks = (vectors + 255) / 256;
-  embedding_forward_kernel<<<int(blocks < 132 * 16 ? blocks : 132 * 16), 256, 0, stream>>>(tokens, table, out, T, d);
+  embedding_forward_kernel<<<elementwise_grid(size_t(T) * (d / 8)), 256, 0, stream>>>(tokens, table, out, T, d);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -36,7 +36,6 @@ template <typename P, typename G, typename S>
 void adam_update(P* p, const G* g, S* m, S* v, int64_t n, const AdamStep& s, cudaStream_t stream) {
   double bias1 = 1 - std::pow(double(s.beta1), double(s.t)), bias2 = 1 - std::pow(double(s.beta2), double(s.t));
   float step_size = float(s.lr * std::sqrt(bias2) / bias1);
-  int64_t blocks = (n + 255) / 256;
-  adam_kernel<<<int(blocks < 132 * 16 ? blocks : 132 * 16), 256, 0, stream>>>(p, g, m, v, n, s, step_size);
+  adam_kernel<<<elementwise_grid(size_t(n)), 256, 0, stream>>>(p, g, m, v, n, s, step_size);
   CUDA_CHECK_LAUNCH();
 }

@@ -5,7 +5,6 @@
 // gradients are sums over T x d products: per-block partial sums in a fixed grid, then one block
 // adds them in order, so they are deterministic.
 #pragma once
-#include "kernels/activations.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 

@@ -172,3 +172,32 @@ TEST_CASE("the trainer's parameters are the reference's, in its order: 275,742,7
       }
   CHECK(int64_t(master_end) == total - embeddings);
 }
+
+TEST_CASE("the log's parameter lines and counts; the console line adds loss, tokens/s, MFU and ETA") {
+  std::string dir = temp_dir("paramlines"), id = new_run_id();
+  std::vector<Param> params = parameter_list(GPTConfig{});
+  {
+    RunLog log(dir, id);
+    log_parameters(log, Hyperparameters{}, params);
+  }
+  std::string text = read_file(dir + "/" + id + ".txt");
+  CHECK(text.find("embed.weight: [50304, 768] bfloat16 wd_mul=0.0 lr_mul=75\n") == 0);
+  CHECK(text.find("blocks.0.attn.qkv_w: [3, 768, 768] float32 wd_mul=0.0 lr_mul=1\n") != std::string::npos);
+  CHECK(text.find("lm_head.weight: [50304, 768] float32 wd_mul=0.0 lr_mul=27.5\n") != std::string::npos);
+  CHECK(text.find("scalars: [64] float32 wd_mul=0.0 lr_mul=5\n") != std::string::npos);
+  CHECK(text.find("parameters: 275742784 total, 154533888 embedding, 121208896 non-embedding\n") != std::string::npos);
+  // 6 x (82,575,360 hidden + 38,633,472 head) matmul FLOPs per token
+  CHECK(training_flops_per_token(params) == 6.0 * 121208832);
+  CHECK(console_step_line("step:5/10 train_time:500ms step_avg:100.00ms", 4.25, 100.0, 49152, 6e8, 5) ==
+        "step:5/10 train_time:500ms step_avg:100.00ms loss:4.2500 tok/s:491520 mfu:29.8% eta:0.0min");
+}
+
+TEST_CASE("the optimizers' plan: DistAdam on the embeddings, head and scalars; Muon's four shape groups") {
+  ShardPlan plan = shard_plan_of(parameter_list(GPTConfig{}), 8);
+  CHECK(plan.adam.size() == 6);  // embed, 3 value embeddings, lm_head, scalars
+  CHECK(plan.muon.size() == 4);
+  std::vector<size_t> members;
+  for (const MuonGroup& g : plan.muon) members.push_back(g.params.size());
+  CHECK(members == (std::vector<size_t>{11, 11, 12, 12}));
+  CHECK(plan.adam.back().rows_per_rank == 8);  // the 64 scalars over 8 ranks
+}

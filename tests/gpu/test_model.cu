@@ -3,79 +3,24 @@
 // (d = 256, two heads of 128, vocabulary 1024, 4 blocks of 128 tokens, documents and windows).
 // Both start from the same weights as the GPU sees them (bf16 embeddings and weight copies, fp32
 // scalars); the loss and every parameter's gradient must agree within bf16 tolerance.
-#define TRAIN_GPT_NO_MAIN
-#include "train_gpt.cu"
-
-#include "gpu/gpu_test.h"
-#include "reference/model.h"
-#include "reference/synthetic.h"
+#include "gpu/model_fixture.h"
 
 namespace {
+
+using namespace fixture;
 
 // bf16 activations through 12 layers: each op's output carries ~2e-3 relative rounding
 // (METHOD.md: bf16 operands 1e-3..1e-2); gradients pass through twice as many ops as the loss.
 constexpr double kLossBound = 5e-3, kGradBound = 2e-2;
 constexpr int kT = 512, kWindowBlocks = 3;
 
-ModelConfig reference_config() {
-  ModelConfig c = ModelConfig::record();
-  c.model_dim = 256;
-  c.num_heads = 2;
-  c.vocab_size = 1024;
-  c.bos_token = 1023;
-  c.softcap_divisor = 7.5 * std::sqrt(256.0);
-  return c;
-}
-
-GPTConfig gpu_config() {
-  GPTConfig c;
-  c.model_dim = 256;
-  c.num_heads = 2;
-  c.vocab_size = 1024;
-  c.bos_token = 1023;
-  return c;
-}
-
-// The reference's weights rounded to what the GPU computes with; uploaded to the GPU model.
-Tensors load_weights(const ModelConfig& rc, const GPT& model, uint64_t seed) {
-  Tensors w = init_params(rc, seed, /*random_everything=*/true);
-  const ParameterStore& s = model.params;
-  std::vector<bf16> embeddings(s.embedding_count);
-  std::vector<float> master(s.master_count);
-  for (size_t p = 0; p < s.list.size(); ++p) {
-    const Param& param = s.list[p];
-    for (int64_t i = 0; i < param.numel; ++i) {
-      float f = float(w[p][i]);
-      if (param.is_embedding()) embeddings[param.offset + i] = __float2bfloat16(f);
-      else master[param.offset + i] = f;
-      w[p][i] = param.kind == ParamKind::scalars ? double(f) : double(__bfloat162float(__float2bfloat16(f)));
-    }
-  }
-  CUDA_CHECK(cudaMemcpy(s.embeddings, embeddings.data(), embeddings.size() * sizeof(bf16), cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(s.master, master.data(), master.size() * sizeof(float), cudaMemcpyHostToDevice));
-  refresh_weight_copies(s, 0);
-  return w;
-}
-
-std::vector<double> download_grad(const ParameterStore& s, const Param& p) {
-  std::vector<float> g(p.numel);
-  const float* at = (p.is_embedding() ? s.embedding_grads : s.grads) + p.offset;
-  CUDA_CHECK(cudaMemcpy(g.data(), at, g.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  return std::vector<double>(g.begin(), g.end());
-}
-
 // The summed loss of one micro-sequence; with backward, the gradients of it alone.
 double gpu_loss(GPT& model, Activations& acts, const std::vector<uint16_t>& tokens) {
-  CUDA_CHECK(cudaMemcpy(acts.inputs, tokens.data(), kT * sizeof(uint16_t), cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(acts.targets, tokens.data() + 1, kT * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  upload_micro_sequence(acts, tokens.data(), kT, 0);
   MicroSequencePlan plan(tokens.data(), kT, model.config(), kWindowBlocks);
   model.params.zero_grads(0);
   model.step(acts, kT, plan, acts.for_backward, /*fp8_head=*/false, 0);
-  std::vector<float> losses(kT);
-  CUDA_CHECK(cudaMemcpy(losses.data(), acts.losses, kT * sizeof(float), cudaMemcpyDeviceToHost));
-  double sum = 0;
-  for (float l : losses) sum += l;
-  return sum;
+  return summed_losses(acts, kT, 0);
 }
 
 }  // namespace

@@ -79,17 +79,15 @@ struct ReferenceState {
   }
 };
 
-// Returns the step's mean micro-sequence loss (summed token losses / M).
+// Both optimizers on gradients summed over micro_count micro-sequences (normalised here, once).
 template <typename Real>
-double reference_train_step(const RecipeConfig& r, int step, const GlobalBatch& batch, ReferenceState<Real>& st) {
-  Tensors grads = zeros_like_params(r.model);
-  int count = 0;
-  double loss = accumulate_micro_gradients(r, to_double(st.params), batch, step, 0, 1, grads, count);
+void reference_optimizer_step(const RecipeConfig& r, int step, Tensors& grads, int micro_count,
+                              ReferenceState<Real>& st) {
   StepHyper hyper(r.schedule, step, r.muon);
   ++st.adam_steps;
   std::vector<ParamSpec> specs = param_specs(r.model);
   for (size_t p = 0; p < specs.size(); ++p) {
-    for (double& g : grads[p]) g /= batch.micro_count;  // the one normalisation: by the global count M
+    for (double& g : grads[p]) g /= micro_count;  // the one normalisation: by the global count M
     if (uses_muon(specs[p].role))
       muon_update(st.params[p].data(), grads[p].data(), st.muon_momentum[p].data(), specs[p].shape,
                   hyper.muon_lr, hyper.muon_momentum, r.muon);
@@ -97,6 +95,15 @@ double reference_train_step(const RecipeConfig& r, int step, const GlobalBatch& 
       adam_update(st.params[p].data(), grads[p].data(), st.adam_m[p].data(), st.adam_v[p].data(),
                   specs[p].numel(), hyper.adam_lr(r.adam, specs[p].role), st.adam_steps, r.adam);
   }
+}
+
+// Returns the step's mean micro-sequence loss (summed token losses / M).
+template <typename Real>
+double reference_train_step(const RecipeConfig& r, int step, const GlobalBatch& batch, ReferenceState<Real>& st) {
+  Tensors grads = zeros_like_params(r.model);
+  int count = 0;
+  double loss = accumulate_micro_gradients(r, to_double(st.params), batch, step, 0, 1, grads, count);
+  reference_optimizer_step(r, step, grads, batch.micro_count, st);
   return loss / batch.micro_count;
 }
 

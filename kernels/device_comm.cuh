@@ -1,0 +1,289 @@
+// The collectives of the trainer on device buffers, ordered on CUDA streams (SPEC 4.3, 4.4), with
+// two backends: NCCL across processes (one per GPU: the production path) and W simulated ranks as
+// threads of one process on one GPU, each with its own stream, whose collectives read the other
+// ranks' buffers directly and reduce in rank order (deterministic; NCCL below 2.30 refuses two
+// ranks on one GPU). Gradients are only ever SUM-reduced (SPEC 4.2). The gradient traffic modes
+// of SPEC 4.3 sit on top: fp32 reduce-scatter, bf16 reduce-scatter, bf16 all-to-all with the
+// owner summing in fp32 in rank order.
+#pragma once
+#include "kernels/comm.h"
+#include "kernels/cuda_check.cuh"
+#include "kernels/device_utils.cuh"
+
+#include <nccl.h>
+
+#include <string>
+#include <vector>
+
+enum class DeviceDType { f32, bf16 };
+
+inline size_t dtype_size(DeviceDType t) { return t == DeviceDType::f32 ? 4 : 2; }
+
+class DeviceCommunicator {
+ public:
+  virtual ~DeviceCommunicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // send: [W * count]; recv: [count] = sum over ranks q of send_q[rank * count + i]
+  virtual void reduce_scatter_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) = 0;
+  // send: [count], may be recv + rank * count (in place); recv: [W * count], slot q from rank q
+  virtual void all_gather(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) = 0;
+  // send: [W * count], chunk q goes to rank q; recv: [W * count], chunk q came from rank q
+  virtual void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) = 0;
+  // A host scalar summed over the ranks (validation losses and token counts); synchronous.
+  virtual double all_reduce_sum(double value) = 0;
+};
+
+// ------------------------------------------------------------------------------------------------
+// NCCL: one process per GPU.
+// ------------------------------------------------------------------------------------------------
+class NcclCommunicator : public DeviceCommunicator {
+ public:
+  NcclCommunicator(int rank, int world_size, const ncclUniqueId& id) : rank_(rank), world_size_(world_size) {
+    NCCL_CHECK(ncclCommInitRank(&comm_, world_size, id, rank));
+    CUDA_CHECK(cudaMalloc(&scalar_, sizeof(double)));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&scalar_stream_, cudaStreamNonBlocking));
+  }
+  ~NcclCommunicator() override {
+    ncclCommDestroy(comm_);
+    cudaFree(scalar_);
+    cudaStreamDestroy(scalar_stream_);
+  }
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  void reduce_scatter_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+    NCCL_CHECK(ncclReduceScatter(send, recv, count, nccl_type(dtype), ncclSum, comm_, stream));
+  }
+  void all_gather(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+    NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(dtype), comm_, stream));
+  }
+  void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+    const size_t bytes = count * dtype_size(dtype);
+    NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < world_size_; ++q) {
+      NCCL_CHECK(ncclSend(static_cast<const char*>(send) + q * bytes, count, nccl_type(dtype), q, comm_, stream));
+      NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + q * bytes, count, nccl_type(dtype), q, comm_, stream));
+    }
+    NCCL_CHECK(ncclGroupEnd());
+  }
+  double all_reduce_sum(double value) override {
+    CUDA_CHECK(cudaMemcpyAsync(scalar_, &value, sizeof value, cudaMemcpyHostToDevice, scalar_stream_));
+    NCCL_CHECK(ncclAllReduce(scalar_, scalar_, 1, ncclFloat64, ncclSum, comm_, scalar_stream_));
+    CUDA_CHECK(cudaMemcpyAsync(&value, scalar_, sizeof value, cudaMemcpyDeviceToHost, scalar_stream_));
+    CUDA_CHECK(cudaStreamSynchronize(scalar_stream_));
+    return value;
+  }
+
+ private:
+  static ncclDataType_t nccl_type(DeviceDType t) { return t == DeviceDType::f32 ? ncclFloat32 : ncclBfloat16; }
+  int rank_, world_size_;
+  ncclComm_t comm_ = nullptr;
+  double* scalar_ = nullptr;
+  cudaStream_t scalar_stream_ = nullptr;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Simulated ranks on one GPU.
+// ------------------------------------------------------------------------------------------------
+constexpr int kMaxSimulatedRanks = 16;
+
+struct RankBuffers {
+  const void* at[kMaxSimulatedRanks];
+};
+
+// out[count] = sum over q < contributors, in order, of in.at[q][offset + i] (fp32 accumulation);
+// divided by `divisor` (1, or W for the injected AVG fault).
+template <typename T>
+__global__ void sum_rank_buffers_kernel(RankBuffers in, int contributors, size_t offset, T* out, size_t count,
+                                        float divisor) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
+    float sum = 0;
+    for (int q = 0; q < contributors; ++q) sum += float(static_cast<const T*>(in.at[q])[offset + i]);
+    out[i] = T(sum / divisor);
+  }
+}
+
+// Each collective: every rank records "ready" on its stream and posts its send buffer; at a
+// barrier each rank's stream waits for every rank's ready, then reads the posted buffers in rank
+// order; each records "done", and after a second barrier every stream waits for every done, so no
+// rank overwrites a send buffer that another rank's stream still reads.
+class SimulatedDeviceWorld {
+ public:
+  explicit SimulatedDeviceWorld(int world_size)
+      : threads_(world_size), posted_(world_size), scalars_(world_size), ready_(world_size), done_(world_size) {
+    if (world_size > kMaxSimulatedRanks)
+      throw std::invalid_argument("at most " + std::to_string(kMaxSimulatedRanks) + " simulated ranks");
+    for (int r = 0; r < world_size; ++r) {
+      CUDA_CHECK(cudaEventCreateWithFlags(&ready_[r], cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&done_[r], cudaEventDisableTiming));
+    }
+  }
+  ~SimulatedDeviceWorld() {
+    for (cudaEvent_t e : ready_) cudaEventDestroy(e);
+    for (cudaEvent_t e : done_) cudaEventDestroy(e);
+  }
+  SimulatedDeviceWorld(const SimulatedDeviceWorld&) = delete;
+  SimulatedDeviceWorld& operator=(const SimulatedDeviceWorld&) = delete;
+  int world_size() const { return threads_.world_size(); }
+
+  void run(const std::function<void(DeviceCommunicator&)>& per_rank) {
+    threads_.run([&](int rank) {
+      Rank comm(*this, rank);
+      per_rank(comm);
+    });
+  }
+
+ private:
+  class Rank : public DeviceCommunicator {
+   public:
+    Rank(SimulatedDeviceWorld& world, int rank) : world_(world), rank_(rank) {}
+    int rank() const override { return rank_; }
+    int world_size() const override { return world_.world_size(); }
+    void reduce_scatter_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+      world_.collective(rank_, send, stream, [&] {
+        const Fault fault = injected_fault();
+        const int W = world_.world_size();
+        const int contributors = fault == Fault::drop_rank_contribution && W > 1 ? W - 1 : W;
+        const float divisor = fault == Fault::avg_instead_of_sum ? float(W) : 1.0f;
+        world_.sum_posted(contributors, rank_ * count, recv, count, dtype, divisor, stream);
+      });
+    }
+    void all_gather(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+      world_.collective(rank_, send, stream, [&] {
+        const size_t bytes = count * dtype_size(dtype);
+        for (int q = 0; q < world_.world_size(); ++q)
+          if (static_cast<char*>(recv) + q * bytes != world_.posted_[q])
+            CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + q * bytes, world_.posted_[q], bytes,
+                                       cudaMemcpyDeviceToDevice, stream));
+      });
+    }
+    void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+      world_.collective(rank_, send, stream, [&] {
+        const size_t bytes = count * dtype_size(dtype);
+        for (int q = 0; q < world_.world_size(); ++q)
+          CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + q * bytes,
+                                     static_cast<const char*>(world_.posted_[q]) + rank_ * bytes, bytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+      });
+    }
+    double all_reduce_sum(double value) override {
+      world_.scalars_[rank_] = value;
+      world_.threads_.meet();
+      double sum = 0;
+      for (double v : world_.scalars_) sum += v;
+      world_.threads_.meet();  // nobody overwrites scalars_ before every rank has read them
+      return sum;
+    }
+
+   private:
+    SimulatedDeviceWorld& world_;
+    int rank_;
+  };
+
+  void collective(int rank, const void* send, cudaStream_t stream, const std::function<void()>& read_posted) {
+    CUDA_CHECK(cudaEventRecord(ready_[rank], stream));
+    posted_[rank] = send;
+    threads_.meet();
+    for (cudaEvent_t e : ready_) CUDA_CHECK(cudaStreamWaitEvent(stream, e, 0));
+    read_posted();
+    CUDA_CHECK(cudaEventRecord(done_[rank], stream));
+    threads_.meet();
+    for (cudaEvent_t e : done_) CUDA_CHECK(cudaStreamWaitEvent(stream, e, 0));
+  }
+
+  void sum_posted(int contributors, size_t offset, void* out, size_t count, DeviceDType dtype, float divisor,
+                  cudaStream_t stream) const {
+    RankBuffers in{};
+    for (int q = 0; q < world_size(); ++q) in.at[q] = posted_[q];
+    if (dtype == DeviceDType::f32)
+      sum_rank_buffers_kernel<<<elementwise_grid(count), 256, 0, stream>>>(in, contributors, offset,
+                                                                           static_cast<float*>(out), count, divisor);
+    else
+      sum_rank_buffers_kernel<<<elementwise_grid(count), 256, 0, stream>>>(in, contributors, offset,
+                                                                           static_cast<bf16*>(out), count, divisor);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  RankThreads threads_;
+  std::vector<const void*> posted_;  // [W] send buffers of the collective in progress
+  std::vector<double> scalars_;      // [W] values of the scalar all-reduce in progress
+  std::vector<cudaEvent_t> ready_, done_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Gradient traffic (SPEC 4.3): how a rank's fp32 gradient sums reach their owners.
+// ------------------------------------------------------------------------------------------------
+enum class GradComm {
+  fp32_rs,      // reduce-scatter of the fp32 sums
+  bf16_rs,      // bf16 reduce-scatter: half the bytes, NCCL sums in bf16
+  a2a_fp32acc,  // bf16 chunks sent to their owner, who sums the W chunks in fp32 in rank order
+};
+
+inline GradComm parse_grad_comm(const std::string& name) {
+  if (name == "fp32-rs") return GradComm::fp32_rs;
+  if (name == "bf16-rs") return GradComm::bf16_rs;
+  if (name == "a2a-fp32acc") return GradComm::a2a_fp32acc;
+  throw std::invalid_argument("grad-comm '" + name + "' is not one of fp32-rs, bf16-rs, a2a-fp32acc");
+}
+
+// out[count] = sum over q of in[q * count + i], fp32 accumulation in rank order
+__global__ void sum_chunks_kernel(const bf16* in, int chunks, float* out, size_t count) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
+    float sum = 0;
+    for (int q = 0; q < chunks; ++q) sum += __bfloat162float(in[q * count + i]);
+    out[i] = sum;
+  }
+}
+
+// send: [W * count] fp32 partial sums, chunk r owned by rank r; recv: [count] fp32 = the SUM of
+// every rank's chunk `rank`. scratch: [2 * W * count] bf16 for the bf16 modes.
+inline void reduce_scatter_grads(DeviceCommunicator& comm, GradComm mode, const float* send, float* recv, size_t count,
+                                 bf16* scratch, cudaStream_t stream) {
+  const size_t total = count * comm.world_size();
+  switch (mode) {
+    case GradComm::fp32_rs: comm.reduce_scatter_sum(send, recv, count, DeviceDType::f32, stream); return;
+    case GradComm::bf16_rs:
+      convert(send, scratch, total, stream);
+      comm.reduce_scatter_sum(scratch, scratch + total, count, DeviceDType::bf16, stream);
+      convert(scratch + total, recv, count, stream);
+      return;
+    case GradComm::a2a_fp32acc:
+      convert(send, scratch, total, stream);
+      comm.all_to_all(scratch, scratch + total, count, DeviceDType::bf16, stream);
+      sum_chunks_kernel<<<elementwise_grid(count), 256, 0, stream>>>(scratch + total, comm.world_size(), recv, count);
+      CUDA_CHECK_LAUNCH();
+      return;
+  }
+}
+
+// Bytes one rank sends for gradients per step: every gradient element leaves once (W-1 of W
+// chunks travel; the own chunk stays), 4 bytes in fp32, 2 in bf16.
+inline double gradient_bytes_sent(GradComm mode, double gradient_elements, int world_size) {
+  return gradient_elements * (world_size - 1) / world_size * (mode == GradComm::fp32_rs ? 4 : 2);
+}
+
+// One process alone: every collective is the identity (a copy when the buffers differ), so the
+// W = 1 trainer runs the same sharded optimizer code as W > 1.
+class SingleRankCommunicator : public DeviceCommunicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  void reduce_scatter_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+    copy(send, recv, count * dtype_size(dtype), stream);
+  }
+  void all_gather(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+    copy(send, recv, count * dtype_size(dtype), stream);
+  }
+  void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+    copy(send, recv, count * dtype_size(dtype), stream);
+  }
+  double all_reduce_sum(double value) override { return value; }
+
+ private:
+  static void copy(const void* from, void* to, size_t bytes, cudaStream_t stream) {
+    if (from != to) CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+};

@@ -1,0 +1,76 @@
+// The GPU model of train_gpt.cu beside the CPU reference model at one small shape with the
+// record's structure (12 layers, d = 256, two heads of 128, vocabulary 1024), starting from the
+// same weights as the GPU sees them (bf16 embeddings and weight copies, fp32 scalars).
+#pragma once
+#define TRAIN_GPT_NO_MAIN
+#include "train_gpt.cu"
+
+#include "gpu/gpu_test.h"
+#include "reference/model.h"
+#include "reference/synthetic.h"
+
+namespace fixture {
+
+inline ModelConfig reference_config() {
+  ModelConfig c = ModelConfig::record();
+  c.model_dim = 256;
+  c.num_heads = 2;
+  c.vocab_size = 1024;
+  c.bos_token = 1023;
+  c.softcap_divisor = 7.5 * std::sqrt(256.0);
+  return c;
+}
+
+inline GPTConfig gpu_config() {
+  GPTConfig c;
+  c.model_dim = 256;
+  c.num_heads = 2;
+  c.vocab_size = 1024;
+  c.bos_token = 1023;
+  return c;
+}
+
+// The reference's weights rounded to what the GPU computes with; uploaded to the GPU model.
+inline Tensors load_weights(const ModelConfig& rc, const GPT& model, uint64_t seed) {
+  Tensors w = init_params(rc, seed, /*random_everything=*/true);
+  const ParameterStore& s = model.params;
+  std::vector<bf16> embeddings(s.embedding_count);
+  std::vector<float> master(s.master_count);
+  for (size_t p = 0; p < s.list.size(); ++p) {
+    const Param& param = s.list[p];
+    for (int64_t i = 0; i < param.numel; ++i) {
+      float f = float(w[p][i]);
+      if (param.is_embedding()) embeddings[param.offset + i] = __float2bfloat16(f);
+      else master[param.offset + i] = f;
+      w[p][i] = param.kind == ParamKind::scalars ? double(f) : double(__bfloat162float(__float2bfloat16(f)));
+    }
+  }
+  CUDA_CHECK(cudaMemcpy(s.embeddings, embeddings.data(), embeddings.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(s.master, master.data(), master.size() * sizeof(float), cudaMemcpyHostToDevice));
+  refresh_weight_copies(s, 0);
+  return w;
+}
+
+inline std::vector<double> download_grad(const ParameterStore& s, const Param& p) {
+  std::vector<float> g(p.numel);
+  const float* at = (p.is_embedding() ? s.embedding_grads : s.grads) + p.offset;
+  CUDA_CHECK(cudaMemcpy(g.data(), at, g.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return std::vector<double>(g.begin(), g.end());
+}
+
+// One rank's share of a step's global window in the loader's layout: micro-sequences j = rank,
+// rank + W, ... (SPEC 4.1), each T + 1 tokens, back to back.
+struct HostBatch {
+  std::vector<uint16_t> tokens;
+  RankBatch batch;
+  HostBatch(const uint16_t* window, int M, int T, int64_t step, int rank = 0, int world_size = 1) {
+    int count = 0;
+    for (int j = rank; j < M; j += world_size, ++count)
+      tokens.insert(tokens.end(), window + size_t(j) * T, window + size_t(j) * T + T + 1);
+    batch = {step, count, T, tokens.data()};
+  }
+  HostBatch(const HostBatch&) = delete;  // batch points into tokens
+  HostBatch& operator=(const HostBatch&) = delete;
+};
+
+}  // namespace fixture
