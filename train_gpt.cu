@@ -434,7 +434,7 @@ inline std::string newest_checkpoint(const std::string& dir) {
 // ------------------------------------------------------------------------------------------------
 struct GPTConfig {
   int num_layers = 12, model_dim = 768, num_heads = 6, vocab_size = 50304;
-  uint16_t bos_token = 50256;
+  uint16_t bos_token = kBosToken;
   int num_value_embeds = 3;
   // The record's layer pattern: layer 7 without attention, value embeddings 0,1,2 on the first and
   // last three layers, long (L) and short (S) windows L S S S L S S L S S S L.
@@ -953,25 +953,37 @@ inline double global_micro_count(DeviceCommunicator& comm, int local_count, int 
   }
 }
 
+// Both optimizers wait concurrently (SPEC 4.3): every reduction of both is issued first, on a
+// communication stream; each update waits only for its own reduction, and its all-gather goes out
+// on the communication stream as soon as it is done; one combined wait at the end orders the next
+// forward after every gather. Adam's gathers never delay Muon's reductions: those are all queued
+// before any gather.
 class Optimizers {
  public:
   Optimizers(const Hyperparameters& h, const ParameterStore& params, DeviceCommunicator& comm, DeviceMemory& memory)
       : h_(h), schedule_(schedule_of(h)), params_(params), comm_(comm), grad_comm_(parse_grad_comm(h.grad_comm)),
         plan_(shard_plan_of(params.list, comm.world_size())), muon_workspace_(largest_muon_matrix()) {
-    for (const AdamShard& s : plan_.adam) allocate_adam_state(s, memory);
+    for (const AdamShard& s : plan_.adam) add_adam(s, memory);
     for (const MuonGroup& g : plan_.muon)
-      for (const MuonChunk& c : g.chunks)
-        if (c.owner_param[comm.rank()] >= 0) allocate_muon_state(c.owner_param[comm.rank()], g, memory);
-    size_t largest = 0;  // one owner's share of the largest collective, padded over W
-    for (const AdamShard& s : plan_.adam) largest = std::max(largest, size_t(s.slice_elems()));
-    for (const MuonGroup& g : plan_.muon) largest = std::max(largest, size_t(g.matrix_elems()));
-    const size_t W = size_t(comm.world_size());
-    padded_ = memory.alloc<float>("optimizer padding scratch", W * largest);
-    traffic_ = memory.alloc<bf16>("bf16 gradient traffic scratch", 2 * W * largest);
+      for (const MuonChunk& c : g.chunks) add_muon(g, c, memory);
+    size_t largest = 0;
+    for (const Collective& c : collectives_) largest = std::max(largest, c.share);
+    traffic_ = memory.alloc<bf16>("bf16 gradient traffic scratch", 2 * size_t(comm.world_size()) * largest);
+    CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&grads_ready_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&gathered_, cudaEventDisableTiming));
     zero_state();
   }
-
-  Optimizers(const Optimizers&) = delete;  // the state refers into the plan
+  ~Optimizers() {
+    for (Collective& c : collectives_) {
+      cudaEventDestroy(c.reduced);
+      cudaEventDestroy(c.updated);
+    }
+    cudaEventDestroy(grads_ready_);
+    cudaEventDestroy(gathered_);
+    cudaStreamDestroy(comm_stream_);
+  }
+  Optimizers(const Optimizers&) = delete;  // the collectives refer into the plan
   Optimizers& operator=(const Optimizers&) = delete;
 
   void zero_state() {
@@ -981,54 +993,105 @@ class Optimizers {
   }
 
   // Training step `step` (0-based) after the rank's gradients are summed over its
-  // local_micro_sequences; M, the global count, is their SUM over the ranks.
+  // local_micro_sequences on `stream`; M, the global count, is their SUM over the ranks.
   void step(int step, int local_micro_sequences, cudaStream_t stream) {
     float grad_scale = float(1.0 / global_micro_count(comm_, local_micro_sequences, h_.micro_batches));
     if (injected_fault() == Fault::prescale_by_world) grad_scale /= float(comm_.world_size());
     ++adam_steps_;
-    for (const AdamShard& shard : plan_.adam) adam_step(shard, step, grad_scale, stream);
-    for (const MuonGroup& group : plan_.muon)
-      for (const MuonChunk& chunk : group.chunks) muon_step(group, chunk, step, grad_scale, stream);
+    CUDA_CHECK(cudaEventRecord(grads_ready_, stream));
+    CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, grads_ready_, 0));
+    for (Collective& c : collectives_) {
+      reduce(c, comm_stream_);
+      CUDA_CHECK(cudaEventRecord(c.reduced, comm_stream_));
+    }
+    for (Collective& c : collectives_) {
+      CUDA_CHECK(cudaStreamWaitEvent(stream, c.reduced, 0));
+      update(c, step, grad_scale, stream);
+      CUDA_CHECK(cudaEventRecord(c.updated, stream));
+      CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, c.updated, 0));
+      if (!(c.chunk && injected_fault() == Fault::skip_all_gather)) gather(c, comm_stream_);
+    }
+    CUDA_CHECK(cudaEventRecord(gathered_, comm_stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, gathered_, 0));
     refresh_weight_copies(params_, stream);
   }
 
   // This rank's optimizer state, in plan order (Adam slices, then owned Muon matrices).
   std::vector<StateBuffer> state_buffers() {
     std::vector<StateBuffer> state;
-    for (const AdamState& a : adam_) {
-      const std::string& name = params_.list[a.shard->param].name;
-      size_t bytes = a.shard->slice_elems() * (params_.list[a.shard->param].is_embedding() ? sizeof(bf16) : sizeof(float));
-      state.push_back({"adam m " + name, a.m, bytes});
-      state.push_back({"adam v " + name, a.v, bytes});
+    for (const Collective& c : collectives_) {
+      const std::string& name = params_.list[c.adam ? c.adam->param : c.chunk->owner_param[0]].name;
+      if (c.adam) {
+        size_t bytes = c.share * (c.bf16_param ? sizeof(bf16) : sizeof(float));
+        state.push_back({"adam m " + name, c.state_m, bytes});
+        state.push_back({"adam v " + name, c.state_v, bytes});
+      } else if (c.state_m) {
+        const std::string& mine = params_.list[c.chunk->owner_param[comm_.rank()]].name;
+        state.push_back({"muon momentum " + mine, c.state_m, c.share * sizeof(float)});
+      }
     }
-    for (const auto& [param, momentum] : muon_momentum_)
-      state.push_back({"muon momentum " + params_.list[param].name, momentum, params_.list[param].numel * sizeof(float)});
     state.push_back({"adam steps", &adam_steps_, sizeof adam_steps_});
     return state;
   }
 
  private:
-  struct AdamState {
-    const AdamShard* shard;
-    void* m;  // [slice]: bf16 for the embeddings (state has the param's dtype, as the reference), fp32 otherwise
-    void* v;
+  // One reduce-scatter, update and all-gather of the plan: the dim-0 slices of an Adam parameter
+  // or a chunk of W Muon matrices (consecutive in storage). Rank r owns share elements at
+  // r * share of the W * share that the collectives move; where fewer than that exist (a padded
+  // Adam parameter, the last chunk of a group) the item goes through its own zero-padded scratch.
+  struct Collective {
+    const AdamShard* adam = nullptr;  // an Adam parameter, or
+    const MuonGroup* group = nullptr;  // a Muon chunk
+    const MuonChunk* chunk = nullptr;
+    float* local_grad = nullptr;  // [count] the rank's partial sums
+    void* whole = nullptr;        // [count] the parameter(s): bf16 embeddings or fp32 masters
+    bool bf16_param = false;
+    size_t count = 0, share = 0;
+    float* padded = nullptr;      // [W * share] when count < W * share
+    void *state_m = nullptr, *state_v = nullptr;  // Adam m, v of the slice; Muon momentum of the owned matrix
+    float* grad = nullptr;        // the rank's summed share, once reduced
+    cudaEvent_t reduced = nullptr, updated = nullptr;
   };
 
-  void allocate_adam_state(const AdamShard& s, DeviceMemory& memory) {
-    const Param& p = params_.list[s.param];
-    AdamState a{&s, nullptr, nullptr};
-    if (p.is_embedding()) {
-      a.m = memory.alloc<bf16>("Adam m of " + p.name, s.slice_elems());
-      a.v = memory.alloc<bf16>("Adam v of " + p.name, s.slice_elems());
-    } else {
-      a.m = memory.alloc<float>("Adam m of " + p.name, s.slice_elems());
-      a.v = memory.alloc<float>("Adam v of " + p.name, s.slice_elems());
-    }
-    adam_.push_back(a);
+  void add_collective(Collective c, DeviceMemory& memory, const std::string& name) {
+    if (c.count < size_t(comm_.world_size()) * c.share)
+      c.padded = memory.alloc<float>("padded collective of " + name, size_t(comm_.world_size()) * c.share);
+    CUDA_CHECK(cudaEventCreateWithFlags(&c.reduced, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&c.updated, cudaEventDisableTiming));
+    collectives_.push_back(c);
   }
 
-  void allocate_muon_state(int param, const MuonGroup& g, DeviceMemory& memory) {
-    muon_momentum_.emplace_back(param, memory.alloc<float>("Muon momentum of " + params_.list[param].name, g.matrix_elems()));
+  void add_adam(const AdamShard& s, DeviceMemory& memory) {
+    const Param& p = params_.list[s.param];
+    Collective c;
+    c.adam = &s;
+    c.bf16_param = p.is_embedding();
+    c.local_grad = (c.bf16_param ? params_.embedding_grads : params_.grads) + p.offset;
+    c.whole = c.bf16_param ? static_cast<void*>(params_.embeddings + p.offset) : static_cast<void*>(params_.master + p.offset);
+    c.count = size_t(p.numel);
+    c.share = size_t(s.slice_elems());
+    if (c.bf16_param) {  // state in the param's dtype, as the reference
+      c.state_m = memory.alloc<bf16>("Adam m of " + p.name, c.share);
+      c.state_v = memory.alloc<bf16>("Adam v of " + p.name, c.share);
+    } else {
+      c.state_m = memory.alloc<float>("Adam m of " + p.name, c.share);
+      c.state_v = memory.alloc<float>("Adam v of " + p.name, c.share);
+    }
+    add_collective(c, memory, p.name);
+  }
+
+  void add_muon(const MuonGroup& g, const MuonChunk& chunk, DeviceMemory& memory) {
+    const Param& first = params_.list[chunk.owner_param[0]];
+    Collective c;
+    c.group = &g;
+    c.chunk = &chunk;
+    c.share = size_t(g.matrix_elems());
+    for (int param : chunk.owner_param) c.count += param >= 0 ? c.share : 0;
+    c.local_grad = params_.grads + first.offset;
+    c.whole = params_.master + first.offset;
+    const int mine = chunk.owner_param[comm_.rank()];
+    if (mine >= 0) c.state_m = memory.alloc<float>("Muon momentum of " + params_.list[mine].name, c.share);
+    add_collective(c, memory, first.name + " and its chunk");
   }
 
   size_t largest_muon_matrix() const {
@@ -1037,86 +1100,63 @@ class Optimizers {
     return largest;
   }
 
-  // The rank's summed gradient share: send [W * count] are the rank's partial sums (`local` when
-  // W * count of them exist there, else copied into the zero-padded scratch); the result lands in
-  // place, at send + rank * count, which the return value points to.
-  float* reduce_scatter(const float* local, size_t local_count, size_t count, cudaStream_t stream) {
-    const size_t W = size_t(comm_.world_size());
-    float* send = const_cast<float*>(local);
-    if (local_count < W * count) {
-      send = padded_;
-      CUDA_CHECK(cudaMemsetAsync(send, 0, W * count * sizeof(float), stream));
-      CUDA_CHECK(cudaMemcpyAsync(send, local, local_count * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+  // The rank's summed share lands in place, at send + rank * share.
+  void reduce(Collective& c, cudaStream_t stream) {
+    float* send = c.local_grad;
+    if (c.padded) {
+      send = c.padded;
+      CUDA_CHECK(cudaMemsetAsync(send, 0, comm_.world_size() * c.share * sizeof(float), stream));
+      CUDA_CHECK(cudaMemcpyAsync(send, c.local_grad, c.count * sizeof(float), cudaMemcpyDeviceToDevice, stream));
     }
-    float* recv = send + comm_.rank() * count;
-    reduce_scatter_grads(comm_, grad_comm_, send, recv, count, traffic_, stream);
-    return recv;
+    c.grad = send + comm_.rank() * c.share;
+    reduce_scatter_grads(comm_, grad_comm_, send, c.grad, c.share, traffic_, stream);
   }
 
-  // The parameter whole again on every rank: `whole` [valid elements] receives slot q of every
-  // rank q; the own slot is at whole + rank * count. Without room for W * count elements the
-  // gather goes through the scratch and the valid part is copied back.
+  void update(const Collective& c, int step, float grad_scale, cudaStream_t stream) {
+    if (c.adam) return adam_update_share(c, step, grad_scale, stream);
+    if (!c.state_m) return;  // no matrix of this chunk on this rank
+    const int rows = int(c.group->shape[c.group->shape.size() - 2]), cols = int(c.group->shape.back());
+    float* mine = params_.master + params_.list[c.chunk->owner_param[comm_.rank()]].offset;
+    MuonStep s{float(h_.muon_lr * schedule_.lr_factor(step)), float(schedule_.muon_momentum(step)), grad_scale};
+    muon_update(mine, c.grad, static_cast<float*>(c.state_m), int(c.share / (size_t(rows) * cols)), rows, cols, s,
+                muon_workspace_, matmul_, stream);
+  }
+
+  void adam_update_share(const Collective& c, int step, float grad_scale, cudaStream_t stream) {
+    const int r = comm_.rank(), W = comm_.world_size();
+    const int64_t valid = c.adam->valid_rows(r) * c.adam->row_elems;
+    if (valid <= 0) return;
+    const int owner = injected_fault() == Fault::wrong_shard_offset ? (r + 1) % W : r;  // the oracle's bug
+    const ParamKind kind = params_.list[c.adam->param].kind;
+    AdamStep s{float(h_.adam_lr * adam_lr_multiplier(h_, kind) * schedule_.lr_factor(step)), float(h_.adam_beta1),
+               float(h_.adam_beta2), float(h_.adam_eps), adam_steps_, grad_scale};
+    if (c.bf16_param)
+      adam_update(static_cast<bf16*>(c.whole) + owner * c.share, c.grad, static_cast<bf16*>(c.state_m),
+                  static_cast<bf16*>(c.state_v), valid, s, stream);
+    else
+      adam_update(static_cast<float*>(c.whole) + owner * c.share, c.grad, static_cast<float*>(c.state_m),
+                  static_cast<float*>(c.state_v), valid, s, stream);
+  }
+
+  void gather(const Collective& c, cudaStream_t stream) {
+    if (c.bf16_param) gather_as<bf16>(c, DeviceDType::bf16, stream);
+    else gather_as<float>(c, DeviceDType::f32, stream);
+  }
+
+  // Every rank's share back into the whole parameter: in place, or through the padded scratch.
   template <typename T>
-  void all_gather(T* whole, size_t valid, size_t count, cudaStream_t stream) {
-    const size_t W = size_t(comm_.world_size());
-    const DeviceDType dtype = std::is_same_v<T, float> ? DeviceDType::f32 : DeviceDType::bf16;
-    T* own = whole + comm_.rank() * count;
-    if (valid >= W * count) {
-      comm_.all_gather(own, whole, count, dtype, stream);
+  void gather_as(const Collective& c, DeviceDType dtype, cudaStream_t stream) {
+    T* whole = static_cast<T*>(c.whole);
+    const size_t first = comm_.rank() * c.share;
+    if (!c.padded) {
+      comm_.all_gather(whole + first, whole, c.share, dtype, stream);
       return;
     }
-    T* gathered = reinterpret_cast<T*>(padded_);
-    size_t own_valid = std::min(count, valid > comm_.rank() * count ? valid - comm_.rank() * count : 0);
-    CUDA_CHECK(cudaMemcpyAsync(gathered + comm_.rank() * count, own, own_valid * sizeof(T), cudaMemcpyDeviceToDevice, stream));
-    comm_.all_gather(gathered + comm_.rank() * count, gathered, count, dtype, stream);
-    CUDA_CHECK(cudaMemcpyAsync(whole, gathered, valid * sizeof(T), cudaMemcpyDeviceToDevice, stream));
-  }
-
-  void adam_step(const AdamShard& shard, int step, float grad_scale, cudaStream_t stream) {
-    const Param& p = params_.list[shard.param];
-    const AdamState& state = adam_[&shard - plan_.adam.data()];
-    const size_t slice = shard.slice_elems(), n = size_t(p.numel);
-    const int r = comm_.rank(), W = comm_.world_size();
-    const int64_t valid = shard.valid_rows(r) * shard.row_elems;
-    const int owner = injected_fault() == Fault::wrong_shard_offset ? (r + 1) % W : r;  // the oracle's bug
-    AdamStep s{float(h_.adam_lr * adam_lr_multiplier(h_, p.kind) * schedule_.lr_factor(step)), float(h_.adam_beta1),
-               float(h_.adam_beta2), float(h_.adam_eps), adam_steps_, grad_scale};
-    if (p.is_embedding()) {
-      const float* grad = reduce_scatter(params_.embedding_grads + p.offset, n, slice, stream);
-      bf16* whole = params_.embeddings + p.offset;
-      if (valid > 0)
-        adam_update(whole + owner * slice, grad, static_cast<bf16*>(state.m), static_cast<bf16*>(state.v), valid, s, stream);
-      all_gather(whole, n, slice, stream);
-    } else {
-      const float* grad = reduce_scatter(params_.grads + p.offset, n, slice, stream);
-      float* whole = params_.master + p.offset;
-      if (valid > 0)
-        adam_update(whole + owner * slice, grad, static_cast<float*>(state.m), static_cast<float*>(state.v), valid, s, stream);
-      all_gather(whole, n, slice, stream);
-    }
-  }
-
-  // Chunk members are consecutive in storage: member q of the chunk sits `q` matrices after the first.
-  void muon_step(const MuonGroup& group, const MuonChunk& chunk, int step, float grad_scale, cudaStream_t stream) {
-    const size_t matrix = size_t(group.matrix_elems());
-    size_t members = 0;
-    for (int param : chunk.owner_param) members += param >= 0;
-    const size_t first = params_.list[chunk.owner_param[0]].offset;
-    const float* grad = reduce_scatter(params_.grads + first, members * matrix, matrix, stream);
-    const int mine = chunk.owner_param[comm_.rank()];
-    if (mine >= 0) {
-      const int rows = int(group.shape[group.shape.size() - 2]), cols = int(group.shape.back());
-      MuonStep s{float(h_.muon_lr * schedule_.lr_factor(step)), float(schedule_.muon_momentum(step)), grad_scale};
-      muon_update(params_.master + params_.list[mine].offset, grad, momentum_of(mine), int(matrix / (size_t(rows) * cols)),
-                  rows, cols, s, muon_workspace_, matmul_, stream);
-    }
-    if (injected_fault() != Fault::skip_all_gather) all_gather(params_.master + first, members * matrix, matrix, stream);
-  }
-
-  float* momentum_of(int param) const {
-    for (const auto& [p, momentum] : muon_momentum_)
-      if (p == param) return momentum;
-    throw std::logic_error("no Muon momentum for " + params_.list[param].name + " on this rank");
+    T* gathered = reinterpret_cast<T*>(c.padded);
+    const size_t own_valid = first < c.count ? std::min(c.share, c.count - first) : 0;
+    CUDA_CHECK(cudaMemcpyAsync(gathered + first, whole + first, own_valid * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    comm_.all_gather(gathered + first, gathered, c.share, dtype, stream);
+    CUDA_CHECK(cudaMemcpyAsync(whole, gathered, c.count * sizeof(T), cudaMemcpyDeviceToDevice, stream));
   }
 
   const Hyperparameters& h_;
@@ -1127,10 +1167,10 @@ class Optimizers {
   ShardPlan plan_;
   MuonWorkspace muon_workspace_;
   Matmul matmul_;
-  std::vector<AdamState> adam_;                           // [plan_.adam.size()]
-  std::vector<std::pair<int, float*>> muon_momentum_;     // owned Muon parameters and their momentum
-  float* padded_ = nullptr;                               // [W * largest share]
-  bf16* traffic_ = nullptr;                               // [2 * W * largest share] bf16 gradient traffic
+  std::vector<Collective> collectives_;  // Adam parameters, then Muon chunks, in plan order
+  bf16* traffic_ = nullptr;              // [2 * W * largest share] bf16 gradient traffic (one reduction at a time)
+  cudaStream_t comm_stream_ = nullptr;
+  cudaEvent_t grads_ready_ = nullptr, gathered_ = nullptr;
   int64_t adam_steps_ = 0;
 };
 

@@ -56,8 +56,8 @@ std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, 
     Optimizers optimizers(h, model.params, comm, memory);
     Activations acts(model.config(), kT, /*backward=*/true, memory);
     initialize_parameters(model.config(), model.params, 77);  // identical on every rank
-    cudaStream_t s;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaStream_t s;  // blocking: ordered after the initialisation's copies on the default stream
+    CUDA_CHECK(cudaStreamCreate(&s));
     for (int step = 0; step < kSteps; ++step) {
       HostBatch host(stream.data() + size_t(step) * kMicro * kT, kMicro, kT, step, comm.rank(), comm.world_size());
       train_step(model, acts, optimizers, host.batch, step, schedule, /*fp8_head=*/false, s);
