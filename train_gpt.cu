@@ -16,6 +16,7 @@
 #include "kernels/muon.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
+#include "kernels/rendezvous.h"
 #include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/schedules.h"
@@ -1297,10 +1298,10 @@ inline double train_step(GPT& model, Activations& acts, Optimizers& optimizers, 
   return loss_sum / (double(batch.num_micro) * batch.micro_len);
 }
 
-inline PrefetchLoader training_loader(const Hyperparameters& h, int start_step) {
+inline PrefetchLoader training_loader(const Hyperparameters& h, int start_step, int rank, int world_size) {
   BatchPlan plan(h.train_files, h.seq_len, h.micro_batches, kTokenizerVocab);
   for (int s = 0; s < start_step; ++s) plan.next();  // resume: the windows already trained on
-  return PrefetchLoader(std::move(plan), /*rank=*/0, /*world_size=*/1, /*depth=*/2,
+  return PrefetchLoader(std::move(plan), rank, world_size, /*depth=*/2,
                         [](size_t bytes) {
                           void* p = nullptr;
                           return cudaHostAlloc(&p, bytes, cudaHostAllocDefault) == cudaSuccess ? p : nullptr;
@@ -1339,17 +1340,6 @@ inline void log_parameters(RunLog& log, const Hyperparameters& h, const std::vec
            std::to_string(total - embeddings) + " non-embedding");
 }
 
-// Kernel warmup on real training data (SPEC 1.8), untimed; the caller restores the state after.
-inline void warm_up(const Hyperparameters& h, GPT& model, Activations& acts, Optimizers& optimizers,
-                    const Schedule& schedule, bool fp8_head, cudaStream_t stream) {
-  PrefetchLoader loader = training_loader(h, 0);
-  for (int i = 0; i < h.warmup_steps; ++i) {
-    int step = std::min(i, h.num_iterations - 1);
-    train_step(model, acts, optimizers, loader.next(), step, schedule, fp8_head, stream);
-  }
-  CUDA_CHECK(cudaDeviceSynchronize());
-}
-
 constexpr double kH100DenseBf16Flops = 989e12;  // H100 SXM dense bf16 tensor-core peak (datasheet)
 
 inline std::string console_step_line(const std::string& log_line, double loss, double step_ms, int tokens_per_step,
@@ -1361,81 +1351,148 @@ inline std::string console_step_line(const std::string& log_line, double loss, d
   return log_line + extra;
 }
 
-int run_training(const Hyperparameters& h) {
-  require_hopper_gpu(0);
-  const Schedule schedule = schedule_of(h);
-  const bool fp8_head = !h.bf16_head;
-  GPTConfig config;
-  DeviceMemory memory;
-  GPT model(config, memory);
-  SingleRankCommunicator comm;
-  Optimizers optimizers(h, model.params, comm, memory);
-  unsigned long long* checksum = memory.alloc<unsigned long long>("parameter checksum", 1);
-  Activations train(config, h.seq_len, /*backward=*/true, memory), eval(config, h.val_seq_len, false, memory);
-  ValidationPlan val(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab);
-  RunCounters counters;
-  std::vector<StateBuffer> state = training_state(model.params, optimizers, counters);
-  const std::string resume_from = h.resume ? newest_checkpoint(h.checkpoint_dir) : "";
-  if (h.resume && resume_from.empty()) throw std::runtime_error("--resume: no checkpoint in " + h.checkpoint_dir);
+// This process's communicator: alone, or rank g.rank of an NCCL world whose id came over TCP from rank 0.
+inline std::unique_ptr<DeviceCommunicator> connect_ranks(const ProcessGroupEnv& g) {
+  if (g.world_size == 1) return std::make_unique<SingleRankCommunicator>();
+  ncclUniqueId id{};
+  if (g.rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+  UniqueIdBytes bytes;
+  static_assert(sizeof id == sizeof bytes, "NCCL's unique id is 128 bytes");
+  std::memcpy(bytes.data(), &id, sizeof id);
+  broadcast_id_over_tcp(g, bytes, std::chrono::seconds(300));
+  std::memcpy(&id, bytes.data(), sizeof id);
+  return std::make_unique<NcclCommunicator>(g.rank, g.world_size, id);
+}
 
-  counters.seed = h.seed ? h.seed : fresh_seed();
-  initialize_parameters(config, model.params, counters.seed);
-  RunLog log(h.log_dir, new_run_id());
-  log.header(trainer_source(), environment_report());
-  log_parameters(log, h, model.params.list);
-  std::printf("run log: %s\n", log.path().c_str());
+// With W > 1 every rank keeps its own optimizer shards: rank r's checkpoints go to <dir>/rank<r>.
+inline std::string rank_checkpoint_dir(const Hyperparameters& h, const DeviceCommunicator& comm) {
+  return comm.world_size() == 1 ? h.checkpoint_dir : h.checkpoint_dir + "/rank" + std::to_string(comm.rank());
+}
 
-  if (h.warmup_steps > 0) {  // before a resume too: the checkpoint's state replaces what warmup touched
-    Checkpoint initial = capture_state(state, 0);
-    warm_up(h, model, train, optimizers, schedule, fp8_head, 0);
-    restore_state(initial, "", state, model.params);
-  }
-  if (!resume_from.empty()) {
-    Checkpoint c = read_checkpoint(resume_from);
-    restore_state(c, resume_from, state, model.params);
-    counters.step = c.step;
-    log.line("resumed from " + resume_from + " at step " + std::to_string(c.step));
-  }
-  char seed_line[64];
-  std::snprintf(seed_line, sizeof seed_line, "seed: %" PRIu64, counters.seed);
-  log.line(seed_line);
-
-  const double flops_per_token = training_flops_per_token(model.params.list);
-  const int tokens_per_step = h.micro_batches * h.seq_len;
-  std::string last_checkpoint = resume_from.empty() ? "none" : resume_from;
-  PrefetchLoader loader = training_loader(h, counters.step);
-  for (int step = counters.step;; ++step) {
-    const bool last = step == h.num_iterations;
-    if (last || (h.val_every > 0 && step % h.val_every == 0) || step == 0) {
-      check_rank_consistency(model.params, comm, checksum, 0);
-      double val_loss = validate(model, eval, val, schedule.window_blocks(step), comm, 0);
-      log.line(validation_line(step, h.num_iterations, val_loss, counters.train_ms));
-      if (!std::isfinite(val_loss))
-        throw std::runtime_error("validation loss is " + std::to_string(val_loss) + " at step " + std::to_string(step) +
-                                 "; last good checkpoint: " + last_checkpoint);
+// One training run of this process: the model, its optimizers and data, and rank 0's log.
+class TrainingRun {
+ public:
+  TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g)
+      : h_(h), schedule_(schedule_of(h)), comm_(connect_ranks(g)), model_(config_, memory_),
+        optimizers_(h, model_.params, *comm_, memory_),
+        train_(config_, h.seq_len, /*backward=*/true, memory_), eval_(config_, h.val_seq_len, false, memory_),
+        val_(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab),
+        checksum_(memory_.alloc<unsigned long long>("parameter checksum", 1)),
+        state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, *comm_)) {
+    // Every rank initialises from rank 0's seed (52 bits: exact through the double all-reduce).
+    uint64_t seed = comm_->rank() == 0 ? (h.seed ? h.seed : fresh_seed()) & ((uint64_t(1) << 52) - 1) : 0;
+    counters_.seed = uint64_t(comm_->all_reduce_sum(double(seed)));
+    initialize_parameters(config_, model_.params, counters_.seed);
+    if (comm_->rank() == 0) {
+      log_ = std::make_unique<RunLog>(h.log_dir, new_run_id());
+      log_->header(trainer_source(), environment_report());
+      log_parameters(*log_, h, model_.params.list);
+      std::printf("run log: %s (%d rank%s, %s)\n", log_->path().c_str(), comm_->world_size(),
+                  comm_->world_size() > 1 ? "s" : "", g.launcher.c_str());
     }
-    if (last || (h.checkpoint_every > 0 && step > counters.step && step % h.checkpoint_every == 0)) {
-      write_checkpoint(h.checkpoint_dir, capture_state(state, step));
-      last_checkpoint = checkpoint_path(h.checkpoint_dir, step);
+  }
+
+  int run() {
+    if (h_.warmup_steps > 0) warm_up_and_restore();  // before a resume too: the checkpoint replaces its state
+    if (h_.resume) resume();
+    char seed_line[64];
+    std::snprintf(seed_line, sizeof seed_line, "seed: %" PRIu64, counters_.seed);
+    say(seed_line);
+    PrefetchLoader loader = training_loader(h_, counters_.step, comm_->rank(), comm_->world_size());
+    for (int step = counters_.step;; ++step) {
+      const bool last = step == h_.num_iterations;
+      if (last || step == 0 || (h_.val_every > 0 && step % h_.val_every == 0)) validate_and_log(step);
+      if (last || (h_.checkpoint_every > 0 && step > counters_.step && step % h_.checkpoint_every == 0)) checkpoint(step);
+      if (last) break;
+      train_and_log(step, loader.next());
     }
-    if (last) break;
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    say(peak_memory_line(memory_.allocated_bytes(), total_bytes - free_bytes));
+    return 0;
+  }
+
+ private:
+  void say(const std::string& line, bool console = true) {
+    if (log_) log_->line(line, console);
+  }
+
+  void warm_up_and_restore() {
+    Checkpoint initial = capture_state(state_, 0);
+    PrefetchLoader loader = training_loader(h_, 0, comm_->rank(), comm_->world_size());
+    for (int i = 0; i < h_.warmup_steps; ++i) {
+      int step = std::min(i, h_.num_iterations - 1);
+      train_step(model_, train_, optimizers_, loader.next(), step, schedule_, !h_.bf16_head, 0);
+    }
+    restore_state(initial, "", state_, model_.params);
+  }
+
+  void resume() {
+    const std::string path = newest_checkpoint(checkpoint_dir_);
+    if (path.empty()) throw std::runtime_error("--resume: no checkpoint in " + checkpoint_dir_);
+    Checkpoint c = read_checkpoint(path);
+    if (comm_->all_reduce_sum(c.step) != double(c.step) * comm_->world_size())
+      throw std::runtime_error("--resume: the ranks' newest checkpoints are of different steps (rank " +
+                               std::to_string(comm_->rank()) + " has step " + std::to_string(c.step) + ")");
+    restore_state(c, path, state_, model_.params);
+    counters_.step = c.step;
+    last_checkpoint_ = path;
+    say("resumed from " + path + " at step " + std::to_string(c.step));
+  }
+
+  void validate_and_log(int step) {
+    check_rank_consistency(model_.params, *comm_, checksum_, 0);
+    double val_loss = validate(model_, eval_, val_, schedule_.window_blocks(step), *comm_, 0);
+    say(validation_line(step, h_.num_iterations, val_loss, counters_.train_ms));
+    if (!std::isfinite(val_loss))
+      throw std::runtime_error("validation loss is " + std::to_string(val_loss) + " at step " + std::to_string(step) +
+                               "; last good checkpoint: " + last_checkpoint_);
+  }
+
+  void checkpoint(int step) {
+    write_checkpoint(checkpoint_dir_, capture_state(state_, step));
+    last_checkpoint_ = checkpoint_path(checkpoint_dir_, step);
+  }
+
+  void train_and_log(int step, const RankBatch& batch) {
     auto start = std::chrono::steady_clock::now();
-    double loss = train_step(model, train, optimizers, loader.next(), step, schedule, fp8_head, 0);
+    double loss = train_step(model_, train_, optimizers_, batch, step, schedule_, !h_.bf16_head, 0);
+    loss = comm_->all_reduce_sum(loss) / comm_->world_size();  // the console's mean over ranks; a NaN anywhere stops all
     double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    counters.train_ms += step_ms;
+    counters_.train_ms += step_ms;
     if (!std::isfinite(loss))
       throw std::runtime_error("training loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1) +
-                               "; last good checkpoint: " + last_checkpoint);
-    if (step == counters.step) check_rank_consistency(model.params, comm, checksum, 0);  // after the first step
-    std::string line = train_step_line(step + 1, h.num_iterations, counters.train_ms);
-    log.line(line, /*console=*/false);
-    std::printf("%s\n", console_step_line(line, loss, step_ms, tokens_per_step, flops_per_token,
-                                          h.num_iterations - step - 1).c_str());
+                               "; last good checkpoint: " + last_checkpoint_);
+    if (step == counters_.step) check_rank_consistency(model_.params, *comm_, checksum_, 0);  // after the first step
+    std::string line = train_step_line(step + 1, h_.num_iterations, counters_.train_ms);
+    say(line, /*console=*/false);
+    if (log_)
+      std::printf("%s\n", console_step_line(line, loss, step_ms, h_.micro_batches * h_.seq_len,
+                                             training_flops_per_token(model_.params.list), h_.num_iterations - step - 1)
+                              .c_str());
   }
-  size_t free_bytes = 0, total_bytes = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  log.line(peak_memory_line(memory.allocated_bytes(), total_bytes - free_bytes));
-  return 0;
+
+  const Hyperparameters& h_;
+  const Schedule schedule_;
+  const GPTConfig config_;
+  std::unique_ptr<DeviceCommunicator> comm_;
+  DeviceMemory memory_;
+  GPT model_;
+  Optimizers optimizers_;
+  Activations train_, eval_;
+  ValidationPlan val_;
+  unsigned long long* checksum_;
+  RunCounters counters_;
+  std::vector<StateBuffer> state_;
+  std::string checkpoint_dir_, last_checkpoint_ = "none";
+  std::unique_ptr<RunLog> log_;  // rank 0 only
+};
+
+int run_training(const Hyperparameters& h) {
+  const ProcessGroupEnv g = process_group_from_env();
+  CUDA_CHECK(cudaSetDevice(g.local_rank));
+  require_hopper_gpu(g.local_rank);
+  return TrainingRun(h, g).run();
 }
 
 // ------------------------------------------------------------------------------------------------
