@@ -1,9 +1,9 @@
 // train_gpt.cu: the record-#25 NanoGPT speedrun trainer (SPEC Part 1) in one CUDA file.
 //
-// Status: the host side of the run is here (hyperparameters and flags, run log in the reference's
-// format, checkpoints); the GPU training step is assembled from kernels/ in the trainer issue.
-// Until then this program checks its flags, the GPU and the data, says what is missing and never
-// pretends to train.
+// Reading order: hyperparameters and flags, the run log, checkpoints, the model (parameters,
+// activations, forward and backward from the kernels of kernels/), the sharded optimizers, the
+// training state, and the run (warmup, steps, validation, checkpoints) over a communicator that is
+// one rank, NCCL ranks (one process per GPU) or, in tests, simulated ranks on one GPU.
 #include "data/dataloader.h"
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
@@ -34,6 +34,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -649,6 +650,8 @@ struct Activations {
   bf16* x_final;               // rmsnorm(last block output)
   bf16* logits;                // [kHeadChunkRows, V], in place their gradient
   float* losses;               // [T]
+  double* loss_total;          // [1] token losses summed since the last take_loss_total
+  StagedUploads uploads;       // the device copies of each micro-sequence's masks and row order
   // backward scratch
   bf16 *dx, *dx0, *dh, *dy, *dq, *dk, *dv, *dqkv, *du;  // dqkv [T, 3d], du [T, F]
   std::vector<bf16*> dskip;    // [num_skips]: gradient waiting for the skip's source layer
@@ -668,6 +671,8 @@ struct Activations {
     x_final = m.alloc<bf16>("final norm", td);
     logits = m.alloc<bf16>("logits chunk", size_t(std::min(T, kHeadChunkRows)) * c.vocab_size);
     losses = m.alloc<float>("token losses", T);
+    loss_total = m.alloc<double>("summed token losses", 1);
+    CUDA_CHECK(cudaMemset(loss_total, 0, sizeof(double)));
     if (backward) {
       for (bf16** b : {&dx, &dx0, &dh, &dy, &dq, &dk, &dv}) *b = m.alloc<bf16>("backward scratch [T, d]", td);
       dqkv = m.alloc<bf16>("qkv gradient", 3 * td);
@@ -721,21 +726,30 @@ struct Activations {
 
 // What the host derives from one micro-sequence's tokens: the attention masks (document ids, long
 // and short windows) and the position order of the embeddings' deterministic backward.
+// Their device copies go through the activations' StagedUploads on the stream of the step, so
+// building the next plan never waits for the GPU to drain.
 struct MicroSequencePlan {
-  std::unique_ptr<AttentionMask> long_window, short_window;
-  std::unique_ptr<EmbeddingBackwardPlan> embedding_rows;
-  MicroSequencePlan(const uint16_t* host_inputs, int T, const GPTConfig& c, int window_blocks) {
+  std::optional<AttentionMask> long_window, short_window;
+  std::optional<EmbeddingBackwardPlan> embedding_rows;
+  MicroSequencePlan(const uint16_t* host_inputs, int T, const GPTConfig& c, int window_blocks, StagedUploads& uploads,
+                    cudaStream_t stream) {
     std::vector<int32_t> docs = attention_document_ids(host_inputs, T, c.bos_token);
-    long_window = std::make_unique<AttentionMask>(docs, build_attention_blocks(docs, window_blocks));
-    short_window = std::make_unique<AttentionMask>(docs, build_attention_blocks(docs, window_blocks / 2));
-    embedding_rows = std::make_unique<EmbeddingBackwardPlan>(host_inputs, T, c.vocab_size);
+    AttentionBlockLists long_lists = build_attention_blocks(docs, window_blocks);
+    AttentionBlockLists short_lists = build_attention_blocks(docs, window_blocks / 2);
+    uploads.reset(AttentionMask::upload_bytes(docs, long_lists) + AttentionMask::upload_bytes(docs, short_lists) +
+                  EmbeddingBackwardPlan::upload_bytes(T));
+    long_window.emplace(docs, long_lists, uploads, stream);
+    short_window.emplace(docs, short_lists, uploads, stream);
+    embedding_rows.emplace(host_inputs, T, c.vocab_size, uploads, stream);
   }
 };
 
 // The model's step over a set of activations: training (forward, backward) or evaluation.
 class GPT {
+  GPTConfig c_;  // first: validated before params are laid out from it
+
  public:
-  GPT(const GPTConfig& c, DeviceMemory& memory) : c_((c.validate(), c)), params(c, memory) {}
+  GPT(const GPTConfig& c, DeviceMemory& memory) : c_((c.validate(), c)), params(c_, memory) {}
 
   const GPTConfig& config() const { return c_; }
 
@@ -753,6 +767,7 @@ class GPT {
     stream_ = stream;
     forward(plan);
     head(backward, fp8_head);
+    accumulate_loss(acts.losses, T, acts.loss_total, stream);
     if (backward) this->backward(plan);
   }
 
@@ -901,7 +916,6 @@ class GPT {
     rmsnorm_backward(l.x_mixed, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
   }
 
-  GPTConfig c_;
   Matmul matmul_;
   Activations* a_ = nullptr;
   int T_ = 0;
@@ -1246,56 +1260,58 @@ inline void upload_micro_sequence(Activations& acts, const uint16_t* tokens, int
   CUDA_CHECK(cudaMemcpyAsync(acts.targets, tokens + 1, T * sizeof(uint16_t), cudaMemcpyHostToDevice, stream));
 }
 
-// The summed token losses of the last micro-sequence (a sync: the host needs the number).
-inline double summed_losses(const Activations& acts, int T, cudaStream_t stream) {
-  std::vector<float> losses(T);
-  CUDA_CHECK(cudaMemcpyAsync(losses.data(), acts.losses, T * sizeof(float), cudaMemcpyDeviceToHost, stream));
+// The token losses summed over the micro-sequences since the last call: waits for the stream,
+// so after a training step it also marks the end of the step's GPU work.
+inline double take_loss_total(const Activations& acts, cudaStream_t stream) {
+  double total = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&total, acts.loss_total, sizeof total, cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaMemsetAsync(acts.loss_total, 0, sizeof(double), stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
-  double sum = 0;
-  for (float l : losses) sum += l;
-  return sum;
+  return total;
+}
+
+// The mean token loss over all ranks: the loss sums and the token counts are both SUMMED (a rank
+// may have no micro-sequence when W > M).
+inline double mean_over_ranks(DeviceCommunicator& comm, double loss_sum, double tokens) {
+  return comm.all_reduce_sum(loss_sum) / comm.all_reduce_sum(tokens);
 }
 
 // Mean validation token loss with the window of the current step: each rank sums the token losses
 // and counts of its sequences; both sums are SUM-reduced, the mean is their ratio (SPEC 4.2).
 inline double validate(GPT& model, Activations& eval, const ValidationPlan& val, int window_blocks,
                        DeviceCommunicator& comm, cudaStream_t stream) {
-  double loss_sum = 0, tokens = 0;
+  double tokens = 0;
   const int T = int(val.seq_len());
   for (int64_t s : val.sequences_of_rank(comm.rank(), comm.world_size())) {
     upload_micro_sequence(eval, val.sequence(s), T, stream);
-    MicroSequencePlan plan(val.sequence(s), T, model.config(), window_blocks);
+    MicroSequencePlan plan(val.sequence(s), T, model.config(), window_blocks, eval.uploads, stream);
     model.step(eval, T, plan, /*backward=*/false, /*fp8_head=*/false, stream);
-    loss_sum += summed_losses(eval, T, stream);
     tokens += T;
   }
-  return comm.all_reduce_sum(loss_sum) / comm.all_reduce_sum(tokens);
+  return mean_over_ranks(comm, take_loss_total(eval, stream), tokens);
 }
 
 // Forward+backward of the rank's micro-sequences, gradients SUMMED into the parameter gradients
-// (zeroed first). Returns the summed token losses.
-inline double accumulate_gradients(GPT& model, Activations& acts, const RankBatch& batch, int window_blocks,
-                                   bool fp8_head, cudaStream_t stream) {
+// (zeroed first), token losses summed into acts.loss_total.
+inline void accumulate_gradients(GPT& model, Activations& acts, const RankBatch& batch, int window_blocks,
+                                 bool fp8_head, cudaStream_t stream) {
   const int T = int(batch.micro_len);
   model.params.zero_grads(stream);
-  double loss_sum = 0;
   for (int j = 0; j < batch.num_micro; ++j) {
     const uint16_t* tokens = batch.tokens + size_t(j) * (T + 1);
     upload_micro_sequence(acts, tokens, T, stream);
-    MicroSequencePlan plan(tokens, T, model.config(), window_blocks);
+    MicroSequencePlan plan(tokens, T, model.config(), window_blocks, acts.uploads, stream);
     model.step(acts, T, plan, /*backward=*/true, fp8_head, stream);
-    loss_sum += summed_losses(acts, T, stream);
   }
-  return loss_sum;
 }
 
-// One optimizer step (SPEC 1.11): gradients, then both optimizers. Returns the mean training token
-// loss (the console shows it; NaN stops the run).
+// One optimizer step (SPEC 1.11): gradients, then both optimizers. Returns this rank's summed
+// token losses, read after the step's GPU work is done.
 inline double train_step(GPT& model, Activations& acts, Optimizers& optimizers, const RankBatch& batch, int step,
                          const Schedule& schedule, bool fp8_head, cudaStream_t stream) {
-  double loss_sum = accumulate_gradients(model, acts, batch, schedule.window_blocks(step), fp8_head, stream);
+  accumulate_gradients(model, acts, batch, schedule.window_blocks(step), fp8_head, stream);
   optimizers.step(step, batch.num_micro, stream);
-  return loss_sum / (double(batch.num_micro) * batch.micro_len);
+  return take_loss_total(acts, stream);
 }
 
 inline PrefetchLoader training_loader(const Hyperparameters& h, int start_step, int rank, int world_size) {
@@ -1456,9 +1472,10 @@ class TrainingRun {
 
   void train_and_log(int step, const RankBatch& batch) {
     auto start = std::chrono::steady_clock::now();
-    double loss = train_step(model_, train_, optimizers_, batch, step, schedule_, !h_.bf16_head, 0);
-    loss = comm_->all_reduce_sum(loss) / comm_->world_size();  // the console's mean over ranks; a NaN anywhere stops all
+    double loss_sum = train_step(model_, train_, optimizers_, batch, step, schedule_, !h_.bf16_head, 0);
     double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    // the console's mean over ranks; a NaN anywhere stops all
+    double loss = mean_over_ranks(*comm_, loss_sum, double(batch.num_micro) * batch.micro_len);
     counters_.train_ms += step_ms;
     if (!std::isfinite(loss))
       throw std::runtime_error("training loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1) +

@@ -210,34 +210,30 @@ __global__ void attention_backward_dkv_kernel(const bf16* q, const bf16* k, cons
   for (int i = 0; i < 4; ++i) dk[at + i] = __float2bfloat16(dk_acc[i]), dv[at + i] = __float2bfloat16(dv_acc[i]);
 }
 
-// Owns the device copy of one micro-sequence's document ids and block lists for one window.
+// One micro-sequence's document ids and block lists for one window, on the device (in memory of
+// the StagedUploads, valid until its next reset).
 class AttentionMask {
  public:
-  AttentionMask(const std::vector<int32_t>& docs, const AttentionBlockLists& lists) {
+  AttentionMask(const std::vector<int32_t>& docs, const AttentionBlockLists& lists, StagedUploads& uploads,
+                cudaStream_t stream) {
     m_.num_blocks = lists.num_blocks;
     m_.max_kv = lists.max_kv;
     m_.max_q = lists.max_q;
-    m_.docs = upload(docs);
-    m_.kv_count = upload(lists.kv_count);
-    m_.kv_index = upload(lists.kv_index);
-    m_.q_count = upload(lists.q_count);
-    m_.q_index = upload(lists.q_index);
+    m_.docs = uploads.upload(docs, stream);
+    m_.kv_count = uploads.upload(lists.kv_count, stream);
+    m_.kv_index = uploads.upload(lists.kv_index, stream);
+    m_.q_count = uploads.upload(lists.q_count, stream);
+    m_.q_index = uploads.upload(lists.q_index, stream);
   }
-  ~AttentionMask() {
-    for (void* p : {(void*)m_.docs, (void*)m_.kv_count, (void*)m_.kv_index, (void*)m_.q_count, (void*)m_.q_index}) cudaFree(p);
+  // What the constructor stages, for StagedUploads::reset.
+  static size_t upload_bytes(const std::vector<int32_t>& docs, const AttentionBlockLists& lists) {
+    return StagedUploads::bytes_for(docs) + StagedUploads::bytes_for(lists.kv_count) +
+           StagedUploads::bytes_for(lists.kv_index) + StagedUploads::bytes_for(lists.q_count) +
+           StagedUploads::bytes_for(lists.q_index);
   }
-  AttentionMask(const AttentionMask&) = delete;
-  AttentionMask& operator=(const AttentionMask&) = delete;
   const DeviceAttentionMask& device() const { return m_; }
 
  private:
-  template <typename X>
-  static X* upload(const std::vector<X>& host) {
-    X* d = nullptr;
-    CUDA_CHECK(cudaMalloc(&d, host.size() * sizeof(X)));
-    CUDA_CHECK(cudaMemcpy(d, host.data(), host.size() * sizeof(X), cudaMemcpyHostToDevice));
-    return d;
-  }
   DeviceAttentionMask m_;
 };
 

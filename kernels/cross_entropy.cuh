@@ -64,3 +64,25 @@ inline void softcap_cross_entropy(bf16* logits, const uint16_t* targets, float* 
   softcap_cross_entropy_kernel<<<T, kCrossEntropyThreads, smem, stream>>>(logits, targets, losses, V, sc, grad_scale);
   CUDA_CHECK_LAUNCH();
 }
+
+constexpr int kLossSumThreads = 1024;
+
+// *total += losses[0] + ... + losses[T - 1] in double, in a fixed order (one block).
+__global__ void __launch_bounds__(kLossSumThreads) accumulate_loss_kernel(const float* losses, int T, double* total) {
+  __shared__ double partial[kLossSumThreads];
+  double sum = 0;
+  for (int t = threadIdx.x; t < T; t += blockDim.x) sum += losses[t];
+  partial[threadIdx.x] = sum;
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+  }
+  if (threadIdx.x == 0) *total += partial[0];
+}
+
+// The step's losses summed on the device as micro-sequences finish: the host reads the total once
+// per step (or validation) instead of waiting for every micro-sequence.
+inline void accumulate_loss(const float* losses, int T, double* total, cudaStream_t stream) {
+  accumulate_loss_kernel<<<1, kLossSumThreads, 0, stream>>>(losses, T, total);
+  CUDA_CHECK_LAUNCH();
+}

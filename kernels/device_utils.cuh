@@ -1,10 +1,16 @@
 // Small device helpers shared by the kernel headers: warp/block reductions, 16-byte bf16 vectors,
-// the grid of elementwise kernels, fp32 <-> bf16 conversion.
+// the grid of elementwise kernels, fp32 <-> bf16 conversion, asynchronous uploads of host arrays.
 #pragma once
 #include "kernels/cuda_check.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 using bf16 = __nv_bfloat16;
 
@@ -92,3 +98,67 @@ inline uint64_t device_word_sum(const void* data, size_t bytes, unsigned long lo
   CUDA_CHECK(cudaStreamSynchronize(stream));
   return sum;
 }
+
+// Device copies of a micro-sequence's small host-built arrays (attention block lists, embedding
+// row order) without a device sync: staged in pinned memory, copied asynchronously on the stream
+// that reads them. One set is reused for every micro-sequence; stream order keeps the previous
+// readers ahead of the next copies, and reset() waits only until the previous copies have left the
+// staging memory, so the host prepares micro-sequence j + 1 while the GPU runs j.
+class StagedUploads {
+ public:
+  static constexpr size_t kAlignment = 256;
+  static size_t bytes_for(size_t count, size_t element_bytes) {
+    return (std::max<size_t>(count, 1) * element_bytes + kAlignment - 1) / kAlignment * kAlignment;
+  }
+  template <typename X>
+  static size_t bytes_for(const std::vector<X>& host) {
+    return bytes_for(host.size(), sizeof(X));
+  }
+
+  StagedUploads() { CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming)); }
+  ~StagedUploads() {
+    release();
+    cudaEventDestroy(copied_);
+  }
+  StagedUploads(const StagedUploads&) = delete;
+  StagedUploads& operator=(const StagedUploads&) = delete;
+
+  // Starts a new set of `bytes` (the sum of bytes_for of what follows); the previous set's device
+  // memory may be overwritten by the next copies once the stream reaches them.
+  void reset(size_t bytes) {
+    CUDA_CHECK(cudaEventSynchronize(copied_));
+    if (bytes > capacity_) {  // rare: the first micro-sequences, a longer sequence
+      CUDA_CHECK(cudaDeviceSynchronize());  // the old device memory may still be read
+      release();
+      CUDA_CHECK(cudaMallocHost(&staging_, bytes));
+      CUDA_CHECK(cudaMalloc(&device_, bytes));
+      capacity_ = bytes;
+    }
+    used_ = 0;
+  }
+
+  template <typename X>
+  X* upload(const std::vector<X>& host, cudaStream_t stream) {
+    const size_t bytes = host.size() * sizeof(X), slot = bytes_for(host);
+    if (used_ + slot > capacity_)
+      throw std::logic_error("StagedUploads: " + std::to_string(used_ + slot) + " bytes staged, reset() reserved " +
+                             std::to_string(capacity_));
+    char *staged = static_cast<char*>(staging_) + used_, *on_device = static_cast<char*>(device_) + used_;
+    std::memcpy(staged, host.data(), bytes);
+    CUDA_CHECK(cudaMemcpyAsync(on_device, staged, bytes, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaEventRecord(copied_, stream));
+    used_ += slot;
+    return reinterpret_cast<X*>(on_device);
+  }
+
+ private:
+  void release() {
+    cudaFreeHost(staging_);
+    cudaFree(device_);
+    staging_ = device_ = nullptr;
+    capacity_ = 0;
+  }
+  void *staging_ = nullptr, *device_ = nullptr;
+  size_t capacity_ = 0, used_ = 0;
+  cudaEvent_t copied_ = nullptr;
+};

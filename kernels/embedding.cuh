@@ -34,11 +34,12 @@ inline void embedding_forward(const uint16_t* tokens, const bf16* table, bf16* o
 }
 
 // The positions of a micro-sequence grouped by token: positions[begin[u] .. begin[u + 1]) are
-// where token tokens[u] occurs, in increasing order. Built on the host, uploaded once, shared by
-// the four tables' backward passes of that micro-sequence.
+// where token tokens[u] occurs, in increasing order. Built on the host, uploaded once (into the
+// StagedUploads, valid until its next reset), shared by the four tables' backward passes.
 class EmbeddingBackwardPlan {
  public:
-  EmbeddingBackwardPlan(const uint16_t* host_tokens, int T, int vocab_size) {
+  EmbeddingBackwardPlan(const uint16_t* host_tokens, int T, int vocab_size, StagedUploads& uploads,
+                        cudaStream_t stream) {
     std::vector<int32_t> count(size_t(vocab_size) + 1, 0);
     for (int t = 0; t < T; ++t) {
       if (host_tokens[t] >= vocab_size)
@@ -57,17 +58,14 @@ class EmbeddingBackwardPlan {
       }
     begin.push_back(T);
     distinct_ = int(tokens.size());
-    positions_ = upload(positions);
-    tokens_ = upload(tokens);
-    begin_ = upload(begin);
+    positions_ = uploads.upload(positions, stream);
+    tokens_ = uploads.upload(tokens, stream);
+    begin_ = uploads.upload(begin, stream);
   }
-  ~EmbeddingBackwardPlan() {
-    cudaFree(positions_);
-    cudaFree(tokens_);
-    cudaFree(begin_);
+  // At most what the constructor stages for T tokens, for StagedUploads::reset.
+  static size_t upload_bytes(int T) {
+    return 3 * StagedUploads::bytes_for(size_t(T) + 1, sizeof(int32_t));
   }
-  EmbeddingBackwardPlan(const EmbeddingBackwardPlan&) = delete;
-  EmbeddingBackwardPlan& operator=(const EmbeddingBackwardPlan&) = delete;
 
   int distinct_tokens() const { return distinct_; }
   const int32_t* positions() const { return positions_; }  // [T]
@@ -75,14 +73,8 @@ class EmbeddingBackwardPlan {
   const int32_t* begin() const { return begin_; }          // [distinct + 1]
 
  private:
-  static int32_t* upload(const std::vector<int32_t>& host) {
-    int32_t* d = nullptr;
-    CUDA_CHECK(cudaMalloc(&d, std::max<size_t>(host.size(), 1) * sizeof(int32_t)));
-    CUDA_CHECK(cudaMemcpy(d, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    return d;
-  }
   int distinct_ = 0;
-  int32_t *positions_ = nullptr, *tokens_ = nullptr, *begin_ = nullptr;
+  const int32_t *positions_ = nullptr, *tokens_ = nullptr, *begin_ = nullptr;
 };
 
 constexpr int kEmbeddingRowGroups = 4;  // rows of one token summed in parallel, combined in fixed order

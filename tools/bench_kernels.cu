@@ -166,9 +166,11 @@ void bench_attention(const Peaks& peaks) {
   bf16 *dk = device_alloc<bf16>(size_t(T) * D), *dv = device_alloc<bf16>(size_t(T) * D);
   float *lse = device_alloc<float>(size_t(T) * H), *delta = device_alloc<float>(size_t(T) * H);
   AttentionTensors a{T, H, D, D, D};
+  StagedUploads uploads;
   for (int window : {1, 2, 4, 7, 10, 14}) {
     AttentionBlockLists lists = build_attention_blocks(docs, window);
-    AttentionMask mask(docs, lists);
+    uploads.reset(AttentionMask::upload_bytes(docs, lists));
+    AttentionMask mask(docs, lists, uploads, 0);
     double pairs = 0;  // allowed (query, key) pairs: same document, causal, in a listed block
     for (int qb = 0; qb < lists.num_blocks; ++qb)
       for (int j = 0; j < lists.kv_count[qb]; ++j)

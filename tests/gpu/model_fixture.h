@@ -39,10 +39,13 @@ inline Tensors load_weights(const ModelConfig& rc, const GPT& model, uint64_t se
   for (size_t p = 0; p < s.list.size(); ++p) {
     const Param& param = s.list[p];
     for (int64_t i = 0; i < param.numel; ++i) {
+      // Matrices start from bf16-representable masters, so the reference's initial weights are
+      // the GPU's both in the matmuls (the bf16 copies) and in the optimizer (the fp32 masters).
       float f = float(w[p][i]);
+      if (param.kind != ParamKind::scalars) f = __bfloat162float(__float2bfloat16(f));
       if (param.is_embedding()) embeddings[param.offset + i] = __float2bfloat16(f);
       else master[param.offset + i] = f;
-      w[p][i] = param.kind == ParamKind::scalars ? double(f) : double(__bfloat162float(__float2bfloat16(f)));
+      w[p][i] = double(f);
     }
   }
   CUDA_CHECK(cudaMemcpy(s.embeddings, embeddings.data(), embeddings.size() * sizeof(bf16), cudaMemcpyHostToDevice));

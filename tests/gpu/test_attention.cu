@@ -42,7 +42,10 @@ void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t s
                      Implementation impl) {
   const int T = int(tokens.size());
   std::vector<int32_t> docs = attention_document_ids(tokens.data(), T, kBos);
-  AttentionMask mask(docs, build_attention_blocks(docs, window));
+  AttentionBlockLists lists = build_attention_blocks(docs, window);
+  StagedUploads uploads;
+  uploads.reset(AttentionMask::upload_bytes(docs, lists));
+  AttentionMask mask(docs, lists, uploads, 0);
   std::vector<double> q = rounded_to_bf16(random_normal(size_t(T) * H * D, seed, 0.6));
   std::vector<double> k = rounded_to_bf16(random_normal(q.size(), seed + 1, 0.6));
   std::vector<double> v = rounded_to_bf16(random_normal(q.size(), seed + 2));

@@ -17,10 +17,10 @@ constexpr int kT = 512, kWindowBlocks = 3;
 // The summed loss of one micro-sequence; with backward, the gradients of it alone.
 double gpu_loss(GPT& model, Activations& acts, const std::vector<uint16_t>& tokens) {
   upload_micro_sequence(acts, tokens.data(), kT, 0);
-  MicroSequencePlan plan(tokens.data(), kT, model.config(), kWindowBlocks);
+  MicroSequencePlan plan(tokens.data(), kT, model.config(), kWindowBlocks, acts.uploads, 0);
   model.params.zero_grads(0);
   model.step(acts, kT, plan, acts.for_backward, /*fp8_head=*/false, 0);
-  return summed_losses(acts, kT, 0);
+  return take_loss_total(acts, 0);
 }
 
 }  // namespace

@@ -33,7 +33,9 @@ void check_embedding(int T, int vocab, int d, uint64_t seed) {
   DeviceBuffer<float> grad(std::vector<float>(prior.begin(), prior.end())), dscale(std::vector<float>{scale});
   out.poison();
   embedding_forward(dtokens.get(), dtable.get(), out.get(), T, d, 0);
-  EmbeddingBackwardPlan plan(tokens.data(), T, vocab);
+  StagedUploads uploads;
+  uploads.reset(EmbeddingBackwardPlan::upload_bytes(T));
+  EmbeddingBackwardPlan plan(tokens.data(), T, vocab, uploads, 0);
   embedding_backward(plan, ddout.get(), grad.get(), dscale.get(), d, 0);
   std::vector<double> out_ref(size_t(T) * d), grad_ref = prior;
   for (int t = 0; t < T; ++t)

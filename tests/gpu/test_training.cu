@@ -113,7 +113,8 @@ TEST_CASE("K training steps from identical weights follow the reference recipe")
   for (int step = 0; step < kSteps; ++step) {
     const uint16_t* window = stream.data() + size_t(step) * kMicro * kT;
     HostBatch host(window, kMicro, kT, step);
-    double loss = train_step(model, acts, optimizers, host.batch, step, schedule, /*fp8_head=*/false, 0);
+    double loss = train_step(model, acts, optimizers, host.batch, step, schedule, /*fp8_head=*/false, 0) /
+                  (double(kMicro) * kT);
     double reference_loss = reference_train_step(recipe, step, {window, kT, kMicro}, reference) / kT;
     std::printf("  step %d: loss gpu %.6f reference %.6f\n", step, loss, reference_loss);
     CHECK(std::fabs(loss - reference_loss) <= 1e-2 * std::fabs(reference_loss));
@@ -133,10 +134,12 @@ TEST_CASE("M = 8 micro-sequences give the gradients of M = 1 over their concaten
   Activations short_acts(model.config(), T, true, memory), long_acts(model.config(), M * T, true, memory);
   load_weights(reference_config(), model, 32);
   HostBatch micro(window.data(), M, T, 0), whole(window.data(), 1, M * T, 0);
-  double loss_micro = accumulate_gradients(model, short_acts, micro.batch, window_blocks, false, 0);
+  accumulate_gradients(model, short_acts, micro.batch, window_blocks, false, 0);
+  double loss_micro = take_loss_total(short_acts, 0);
   std::vector<std::vector<double>> grads_micro;
   for (const Param& p : model.params.list) grads_micro.push_back(download_grad(model.params, p));
-  double loss_whole = accumulate_gradients(model, long_acts, whole.batch, window_blocks, false, 0);
+  accumulate_gradients(model, long_acts, whole.batch, window_blocks, false, 0);
+  double loss_whole = take_loss_total(long_acts, 0);
   std::printf("  summed loss: M = 8 %.6f, M = 1 %.6f\n", loss_micro, loss_whole);
   CHECK(std::fabs(loss_micro - loss_whole) <= 5e-3 * std::fabs(loss_whole));
   for (size_t p = 0; p < model.params.list.size(); ++p) {
