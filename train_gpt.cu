@@ -33,6 +33,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
@@ -753,11 +754,15 @@ class GPT {
 
   const GPTConfig& config() const { return c_; }
 
-  // One micro-sequence whose tokens are already in acts.inputs / acts.targets: token losses into
-  // acts.losses (summed by the caller, without a sync per micro-sequence) and, with backward, its
-  // gradients SUMMED into the parameter gradients.
+  // Told on the host as the backward is queued: after the head (num_layers), after each block i
+  // (i), after the embeddings (-1). From that point of the stream on, the gradients of that part
+  // and of everything after it in the network are complete for this micro-sequence.
+  using GradientsDone = std::function<void(int layer)>;
+
+  // One micro-sequence whose tokens are already in acts.inputs / acts.targets: token losses summed
+  // into acts.loss_total and, with backward, its gradients SUMMED into the parameter gradients.
   void step(Activations& acts, int T, const MicroSequencePlan& plan, bool backward, bool fp8_head,
-            cudaStream_t stream) {
+            cudaStream_t stream, const GradientsDone& gradients_done = {}) {
     if (T > acts.max_T || T % kAttentionBlock != 0)
       throw std::invalid_argument("micro-sequence length " + std::to_string(T) + " must be a multiple of 128 and <= " +
                                   std::to_string(acts.max_T));
@@ -768,7 +773,10 @@ class GPT {
     forward(plan);
     head(backward, fp8_head);
     accumulate_loss(acts.losses, T, acts.loss_total, stream);
-    if (backward) this->backward(plan);
+    if (!backward) return;
+    gradients_done_ = gradients_done ? gradients_done : [](int) {};
+    gradients_done_(c_.num_layers);
+    this->backward(plan);
   }
 
   ParameterStore params;
@@ -881,10 +889,12 @@ class GPT {
         weighted_sum_backward(a.dx, nullptr, nullptr, nullptr, a.layers[from].x_out, scalar(w), scalar_grad(w), a.dx,
                               a.dskip[from], /*accumulate_dy=*/false, T_, d, d, a.reduction_scratch, stream_);
       }
+      gradients_done_(i);
     }
     add_into(a.dx, a.dx0, td(), stream_);
     rmsnorm_backward(a.embedded, a.dx0, a.dh, T_, d, /*accumulate=*/false, stream_);
     embedding_backward(*plan.embedding_rows, a.dh, params.embedding_grad(-1), nullptr, d, stream_);
+    gradients_done_(-1);
   }
 
   void mlp_backward_layer(int i) {
@@ -920,6 +930,7 @@ class GPT {
   Activations* a_ = nullptr;
   int T_ = 0;
   cudaStream_t stream_ = nullptr;
+  GradientsDone gradients_done_;
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -939,6 +950,21 @@ inline ShardPlan shard_plan_of(const std::vector<Param>& list, int world_size) {
   for (const Param& p : list)
     infos.push_back({p.name, p.shape, is_muon_param(p.kind) ? OptimizerKind::muon : OptimizerKind::adam});
   return plan_shards(infos, world_size);
+}
+
+// The GPT::GradientsDone point after which p's gradient is complete in the last micro-sequence:
+// a block's matrices after their block, lm_head after the head, everything else (the embeddings,
+// the scalars that every block touches) at the end.
+inline int gradient_complete_after(const Param& p, int num_layers) {
+  if (is_muon_param(p.kind)) return p.layer;
+  return p.kind == ParamKind::lm_head ? num_layers : -1;
+}
+
+inline int num_blocks_of(const std::vector<Param>& list) {
+  int layers = 0;
+  for (const Param& p : list)
+    if (is_muon_param(p.kind)) layers = std::max(layers, p.layer + 1);
+  return layers;
 }
 
 inline double adam_lr_multiplier(const Hyperparameters& h, ParamKind kind) {
@@ -969,10 +995,15 @@ inline double global_micro_count(DeviceCommunicator& comm, int local_count, int 
 }
 
 // Both optimizers wait concurrently (SPEC 4.3): every reduction of both is issued first, on a
-// communication stream; each update waits only for its own reduction, and its all-gather goes out
-// on the communication stream as soon as it is done; one combined wait at the end orders the next
-// forward after every gather. Adam's gathers never delay Muon's reductions: those are all queued
-// before any gather.
+// communication stream, most of them while the backward still runs: a reduction goes out as soon
+// as the backward of the step's last micro-sequence has passed the layers its gradients come from
+// (GPT::GradientsDone), hidden under the backward of the earlier layers. Each update waits only
+// for its own reduction, and its all-gather goes out on the communication stream as soon as it is
+// done; one combined wait at the end orders the next forward after every gather. Every rank issues
+// the collectives in one order (by completion point, then plan order), whatever its own number
+// of micro-sequences, as NCCL requires.
+//
+// Per step: begin_step(local count), the backward with gradients_done as its hook, then step().
 class Optimizers {
  public:
   Optimizers(const Hyperparameters& h, const ParameterStore& params, DeviceCommunicator& comm, DeviceMemory& memory)
@@ -981,11 +1012,15 @@ class Optimizers {
     for (const AdamShard& s : plan_.adam) add_adam(s, memory);
     for (const MuonGroup& g : plan_.muon)
       for (const MuonChunk& c : g.chunks) add_muon(g, c, memory);
+    for (size_t i = 0; i < collectives_.size(); ++i) launch_order_.push_back(i);
+    std::stable_sort(launch_order_.begin(), launch_order_.end(), [&](size_t a, size_t b) {
+      return collectives_[a].complete_after > collectives_[b].complete_after;
+    });
     size_t largest = 0;
     for (const Collective& c : collectives_) largest = std::max(largest, c.share);
     traffic_ = memory.alloc<bf16>("bf16 gradient traffic scratch", 2 * size_t(comm.world_size()) * largest);
     CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaEventCreateWithFlags(&grads_ready_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&backward_point_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&gathered_, cudaEventDisableTiming));
     zero_state();
   }
@@ -994,7 +1029,7 @@ class Optimizers {
       cudaEventDestroy(c.reduced);
       cudaEventDestroy(c.updated);
     }
-    cudaEventDestroy(grads_ready_);
+    cudaEventDestroy(backward_point_);
     cudaEventDestroy(gathered_);
     cudaStreamDestroy(comm_stream_);
   }
@@ -1007,21 +1042,41 @@ class Optimizers {
     adam_steps_ = 0;
   }
 
-  // Training step `step` (0-based) after the rank's gradients are summed over its
-  // local_micro_sequences on `stream`; M, the global count, is their SUM over the ranks.
-  void step(int step, int local_micro_sequences, cudaStream_t stream) {
-    float grad_scale = float(1.0 / global_micro_count(comm_, local_micro_sequences, h_.micro_batches));
-    if (injected_fault() == Fault::prescale_by_world) grad_scale /= float(comm_.world_size());
-    ++adam_steps_;
-    CUDA_CHECK(cudaEventRecord(grads_ready_, stream));
-    CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, grads_ready_, 0));
-    for (Collective& c : collectives_) {
+  // Before the step's backward: this rank will sum its gradients over local_micro_sequences; M,
+  // the global count the updates normalise by, is their SUM over the ranks (a host collective,
+  // taken while no reduction is in flight).
+  void begin_step(int local_micro_sequences) {
+    grad_scale_ = float(1.0 / global_micro_count(comm_, local_micro_sequences, h_.micro_batches));
+    if (injected_fault() == Fault::prescale_by_world) grad_scale_ /= float(comm_.world_size());
+    launched_ = 0;
+    step_begun_ = true;
+  }
+
+  // The backward hook of the step's last micro-sequence: the reductions of every collective whose
+  // gradients are complete at this point of `stream`.
+  void gradients_done(int layer, cudaStream_t stream) {
+    if (launched_ == launch_order_.size() || collectives_[launch_order_[launched_]].complete_after < layer) return;
+    CUDA_CHECK(cudaEventRecord(backward_point_, stream));
+    CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, backward_point_, 0));
+    for (; launched_ < launch_order_.size(); ++launched_) {
+      Collective& c = collectives_[launch_order_[launched_]];
+      if (c.complete_after < layer) break;
       reduce(c, comm_stream_);
       CUDA_CHECK(cudaEventRecord(c.reduced, comm_stream_));
     }
-    for (Collective& c : collectives_) {
+  }
+
+  // Training step `step` (0-based) once the rank's backward is queued on `stream`: the remaining
+  // reductions (all of them on a rank without micro-sequences), the updates, the gathers.
+  void step(int step, cudaStream_t stream) {
+    if (!step_begun_) throw std::logic_error("Optimizers::step without begin_step");
+    step_begun_ = false;
+    gradients_done(std::numeric_limits<int>::min(), stream);
+    ++adam_steps_;
+    for (size_t i : launch_order_) {
+      Collective& c = collectives_[i];
       CUDA_CHECK(cudaStreamWaitEvent(stream, c.reduced, 0));
-      update(c, step, grad_scale, stream);
+      update(c, step, grad_scale_, stream);
       CUDA_CHECK(cudaEventRecord(c.updated, stream));
       CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, c.updated, 0));
       if (!(c.chunk && injected_fault() == Fault::skip_all_gather)) gather(c, comm_stream_);
@@ -1065,6 +1120,7 @@ class Optimizers {
     float* padded = nullptr;      // [W * share] when count < W * share
     void *state_m = nullptr, *state_v = nullptr;  // Adam m, v of the slice; Muon momentum of the owned matrix
     float* grad = nullptr;        // the rank's summed share, once reduced
+    int complete_after = -1;      // the GPT::GradientsDone point after which its gradients are complete
     cudaEvent_t reduced = nullptr, updated = nullptr;
   };
 
@@ -1085,6 +1141,7 @@ class Optimizers {
     c.whole = c.bf16_param ? static_cast<void*>(params_.embeddings + p.offset) : static_cast<void*>(params_.master + p.offset);
     c.count = size_t(p.numel);
     c.share = size_t(s.slice_elems());
+    c.complete_after = gradient_complete_after(p, num_blocks_of(params_.list));
     if (c.bf16_param) {  // state in the param's dtype, as the reference
       c.state_m = memory.alloc<bf16>("Adam m of " + p.name, c.share);
       c.state_v = memory.alloc<bf16>("Adam v of " + p.name, c.share);
@@ -1101,7 +1158,12 @@ class Optimizers {
     c.group = &g;
     c.chunk = &chunk;
     c.share = size_t(g.matrix_elems());
-    for (int param : chunk.owner_param) c.count += param >= 0 ? c.share : 0;
+    c.complete_after = std::numeric_limits<int>::max();
+    for (int param : chunk.owner_param) {
+      if (param < 0) continue;
+      c.count += c.share;
+      c.complete_after = std::min(c.complete_after, gradient_complete_after(params_.list[param], 0));
+    }
     c.local_grad = params_.grads + first.offset;
     c.whole = params_.master + first.offset;
     const int mine = chunk.owner_param[comm_.rank()];
@@ -1183,9 +1245,13 @@ class Optimizers {
   MuonWorkspace muon_workspace_;
   Matmul matmul_;
   std::vector<Collective> collectives_;  // Adam parameters, then Muon chunks, in plan order
+  std::vector<size_t> launch_order_;     // into collectives_: by completion point (the head's first)
+  size_t launched_ = 0;                  // reductions of this step issued, in launch order
+  bool step_begun_ = false;
+  float grad_scale_ = 0;                 // 1 / M of this step
   bf16* traffic_ = nullptr;              // [2 * W * largest share] bf16 gradient traffic (one reduction at a time)
   cudaStream_t comm_stream_ = nullptr;
-  cudaEvent_t grads_ready_ = nullptr, gathered_ = nullptr;
+  cudaEvent_t backward_point_ = nullptr, gathered_ = nullptr;
   int64_t adam_steps_ = 0;
 };
 
@@ -1293,15 +1359,17 @@ inline double validate(GPT& model, Activations& eval, const ValidationPlan& val,
 
 // Forward+backward of the rank's micro-sequences, gradients SUMMED into the parameter gradients
 // (zeroed first), token losses summed into acts.loss_total.
+// The last micro-sequence's backward tells last_backward_done where gradients are complete.
 inline void accumulate_gradients(GPT& model, Activations& acts, const RankBatch& batch, int window_blocks,
-                                 bool fp8_head, cudaStream_t stream) {
+                                 bool fp8_head, cudaStream_t stream, const GPT::GradientsDone& last_backward_done = {}) {
   const int T = int(batch.micro_len);
   model.params.zero_grads(stream);
   for (int j = 0; j < batch.num_micro; ++j) {
     const uint16_t* tokens = batch.tokens + size_t(j) * (T + 1);
     upload_micro_sequence(acts, tokens, T, stream);
     MicroSequencePlan plan(tokens, T, model.config(), window_blocks, acts.uploads, stream);
-    model.step(acts, T, plan, /*backward=*/true, fp8_head, stream);
+    model.step(acts, T, plan, /*backward=*/true, fp8_head, stream,
+               j + 1 == batch.num_micro ? last_backward_done : GPT::GradientsDone{});
   }
 }
 
@@ -1309,8 +1377,10 @@ inline void accumulate_gradients(GPT& model, Activations& acts, const RankBatch&
 // token losses, read after the step's GPU work is done.
 inline double train_step(GPT& model, Activations& acts, Optimizers& optimizers, const RankBatch& batch, int step,
                          const Schedule& schedule, bool fp8_head, cudaStream_t stream) {
-  accumulate_gradients(model, acts, batch, schedule.window_blocks(step), fp8_head, stream);
-  optimizers.step(step, batch.num_micro, stream);
+  optimizers.begin_step(batch.num_micro);
+  accumulate_gradients(model, acts, batch, schedule.window_blocks(step), fp8_head, stream,
+                       [&](int layer) { optimizers.gradients_done(layer, stream); });
+  optimizers.step(step, stream);
   return take_loss_total(acts, stream);
 }
 

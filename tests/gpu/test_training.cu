@@ -92,7 +92,8 @@ TEST_CASE("one optimizer step on identical gradients equals the reference's Adam
     upload_grad(model.params, model.params.list[p], grads[p]);
   }
   const int step = 1;
-  optimizers.step(step, kMicro, 0);
+  optimizers.begin_step(kMicro);
+  optimizers.step(step, 0);
   ReferenceState<double> reference(recipe.model, initial);
   reference_optimizer_step(recipe, step, grads, kMicro, reference);
   check_parameter_changes(model.params, initial, reference.params, 3e-2, 1e-4, 5e-3);
