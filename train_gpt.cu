@@ -21,6 +21,7 @@
 #include "kernels/rope.cuh"
 #include "kernels/schedules.h"
 #include "kernels/sharding.h"
+#include "kernels/timeline.cuh"
 
 #include <cerrno>
 #include <charconv>
@@ -73,6 +74,7 @@ struct Hyperparameters {
   std::string log_dir = "logs";
   bool bf16_head = false;           // train with a bf16 lm_head instead of the FP8 one of SPEC 1.5
   std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
+  int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -133,6 +135,9 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"grad-comm", &h.grad_comm, "gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc",
        [&h] { return h.grad_comm == "fp32-rs" || h.grad_comm == "bf16-rs" || h.grad_comm == "a2a-fp32acc"; },
        "one of fp32-rs, bf16-rs, a2a-fp32acc"},
+      {"timeline-step", &h.timeline_step,
+       "write that step's GPU schedule to <log-dir>/timeline_rank<r>_step<N>.json (0: none)",
+       non_negative(&h.timeline_step), "non-negative"},
   };
 }
 
@@ -770,14 +775,23 @@ class GPT {
     a_ = &acts;
     T_ = T;
     stream_ = stream;
-    forward(plan);
-    head(backward, fp8_head);
-    accumulate_loss(acts.losses, T, acts.loss_total, stream);
+    {
+      TimelineSpan span(timeline_, "compute", "forward", stream);
+      forward(plan);
+    }
+    {
+      TimelineSpan span(timeline_, "compute", backward ? "head and its backward" : "head", stream);
+      head(backward, fp8_head);
+      accumulate_loss(acts.losses, T, acts.loss_total, stream);
+    }
     if (!backward) return;
     gradients_done_ = gradients_done ? gradients_done : [](int) {};
     gradients_done_(c_.num_layers);
     this->backward(plan);
   }
+
+  // Spans of the forward, head and each block's backward go to this timeline (null: none).
+  void set_timeline(Timeline* timeline) { timeline_ = timeline; }
 
   ParameterStore params;
 
@@ -876,6 +890,7 @@ class GPT {
     rmsnorm_backward(a.layers.back().x_out, a.dh, a.dx, T_, d, /*accumulate=*/false, stream_);
     CUDA_CHECK(cudaMemsetAsync(a.dx0, 0, td() * sizeof(bf16), stream_));
     for (int i = c_.num_layers - 1; i >= 0; --i) {
+      TimelineSpan span(timeline_, "compute", "backward block " + std::to_string(i), stream_);
       LayerActivations& l = a.layers[i];
       if (i < c_.num_skips()) add_into(a.dskip[i], a.dx, td(), stream_);
       mlp_backward_layer(i);
@@ -891,9 +906,12 @@ class GPT {
       }
       gradients_done_(i);
     }
-    add_into(a.dx, a.dx0, td(), stream_);
-    rmsnorm_backward(a.embedded, a.dx0, a.dh, T_, d, /*accumulate=*/false, stream_);
-    embedding_backward(*plan.embedding_rows, a.dh, params.embedding_grad(-1), nullptr, d, stream_);
+    {
+      TimelineSpan span(timeline_, "compute", "backward embedding", stream_);
+      add_into(a.dx, a.dx0, td(), stream_);
+      rmsnorm_backward(a.embedded, a.dx0, a.dh, T_, d, /*accumulate=*/false, stream_);
+      embedding_backward(*plan.embedding_rows, a.dh, params.embedding_grad(-1), nullptr, d, stream_);
+    }
     gradients_done_(-1);
   }
 
@@ -931,6 +949,7 @@ class GPT {
   int T_ = 0;
   cudaStream_t stream_ = nullptr;
   GradientsDone gradients_done_;
+  Timeline* timeline_ = nullptr;
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -1061,6 +1080,7 @@ class Optimizers {
     for (; launched_ < launch_order_.size(); ++launched_) {
       Collective& c = collectives_[launch_order_[launched_]];
       if (c.complete_after < layer) break;
+      TimelineSpan span(timeline_, "communication", "reduce " + c.name, comm_stream_);
       reduce(c, comm_stream_);
       CUDA_CHECK(cudaEventRecord(c.reduced, comm_stream_));
     }
@@ -1076,15 +1096,22 @@ class Optimizers {
     for (size_t i : launch_order_) {
       Collective& c = collectives_[i];
       CUDA_CHECK(cudaStreamWaitEvent(stream, c.reduced, 0));
-      update(c, step, grad_scale_, stream);
+      {
+        TimelineSpan span(timeline_, "compute", "update " + c.name, stream);
+        update(c, step, grad_scale_, stream);
+      }
       CUDA_CHECK(cudaEventRecord(c.updated, stream));
       CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, c.updated, 0));
+      TimelineSpan span(timeline_, "communication", "gather " + c.name, comm_stream_);
       if (!(c.chunk && injected_fault() == Fault::skip_all_gather)) gather(c, comm_stream_);
     }
     CUDA_CHECK(cudaEventRecord(gathered_, comm_stream_));
     CUDA_CHECK(cudaStreamWaitEvent(stream, gathered_, 0));
     refresh_weight_copies(params_, stream);
   }
+
+  // Spans of every reduction, update and gather go to this timeline (null: none).
+  void set_timeline(Timeline* timeline) { timeline_ = timeline; }
 
   // This rank's optimizer state, in plan order (Adam slices, then owned Muon matrices).
   std::vector<StateBuffer> state_buffers() {
@@ -1121,6 +1148,7 @@ class Optimizers {
     void *state_m = nullptr, *state_v = nullptr;  // Adam m, v of the slice; Muon momentum of the owned matrix
     float* grad = nullptr;        // the rank's summed share, once reduced
     int complete_after = -1;      // the GPT::GradientsDone point after which its gradients are complete
+    std::string name;             // the parameter, or the chunk's first matrix
     cudaEvent_t reduced = nullptr, updated = nullptr;
   };
 
@@ -1142,6 +1170,7 @@ class Optimizers {
     c.count = size_t(p.numel);
     c.share = size_t(s.slice_elems());
     c.complete_after = gradient_complete_after(p, num_blocks_of(params_.list));
+    c.name = p.name;
     if (c.bf16_param) {  // state in the param's dtype, as the reference
       c.state_m = memory.alloc<bf16>("Adam m of " + p.name, c.share);
       c.state_v = memory.alloc<bf16>("Adam v of " + p.name, c.share);
@@ -1158,6 +1187,7 @@ class Optimizers {
     c.group = &g;
     c.chunk = &chunk;
     c.share = size_t(g.matrix_elems());
+    c.name = first.name + " chunk";
     c.complete_after = std::numeric_limits<int>::max();
     for (int param : chunk.owner_param) {
       if (param < 0) continue;
@@ -1253,6 +1283,7 @@ class Optimizers {
   cudaStream_t comm_stream_ = nullptr;
   cudaEvent_t backward_point_ = nullptr, gathered_ = nullptr;
   int64_t adam_steps_ = 0;
+  Timeline* timeline_ = nullptr;
 };
 
 // Rank consistency (SPEC 4.3): every rank must hold the same parameters. Each parameter's word sum
@@ -1535,15 +1566,30 @@ class TrainingRun {
                                "; last good checkpoint: " + last_checkpoint_);
   }
 
+  void write_timeline(const Timeline& timeline, int step) {
+    model_.set_timeline(nullptr);
+    optimizers_.set_timeline(nullptr);
+    const std::string path = h_.log_dir + "/timeline_rank" + std::to_string(comm_->rank()) + "_step" +
+                             std::to_string(step) + ".json";
+    std::filesystem::create_directories(h_.log_dir);
+    timeline.write_chrome_trace(path, comm_->rank());
+    std::printf("rank %d: the GPU schedule of step %d is in %s\n", comm_->rank(), step, path.c_str());
+  }
+
   void checkpoint(int step) {
     write_checkpoint(checkpoint_dir_, capture_state(state_, step));
     last_checkpoint_ = checkpoint_path(checkpoint_dir_, step);
   }
 
   void train_and_log(int step, const RankBatch& batch) {
+    std::unique_ptr<Timeline> timeline;
+    if (step + 1 == h_.timeline_step) timeline = std::make_unique<Timeline>();
+    model_.set_timeline(timeline.get());
+    optimizers_.set_timeline(timeline.get());
     auto start = std::chrono::steady_clock::now();
     double loss_sum = train_step(model_, train_, optimizers_, batch, step, schedule_, !h_.bf16_head, 0);
     double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (timeline) write_timeline(*timeline, step + 1);
     // the console's mean over ranks; a NaN anywhere stops all
     double loss = mean_over_ranks(*comm_, loss_sum, double(batch.num_micro) * batch.micro_len);
     counters_.train_ms += step_ms;

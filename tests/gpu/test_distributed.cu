@@ -10,6 +10,8 @@
 // oracle covers that schedule too, including ranks that have no micro-sequence (W > M).
 #include "gpu/model_fixture.h"
 
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 namespace {
@@ -109,6 +111,16 @@ const Snapshot& single_rank_result() {
   return whole;
 }
 
+// Start times (us) of the spans named `name` in a Chrome trace written by Timeline.
+std::vector<double> span_starts(const std::string& trace_path, const std::string& name) {
+  std::ifstream in(trace_path);
+  std::vector<double> starts;
+  const std::string key = "\"name\": \"" + name + "\"";
+  for (std::string line; std::getline(in, line);)
+    if (line.find(key) != std::string::npos) starts.push_back(std::stod(line.substr(line.find("\"ts\": ") + 6)));
+  return starts;
+}
+
 }  // namespace
 
 TEST_CASE("W = 2, 3, 4, 8 simulated ranks reproduce W = 1: parameters and optimizer states, every grad-comm mode") {
@@ -171,6 +183,49 @@ TEST_CASE("the rank consistency check stops every rank and names the parameter t
   }
   std::printf("  error: %s\n", message.c_str());
   CHECK(message.find("ranks disagree on parameter blocks.3.mlp.c_fc.weight (rank 0 ") == 0);
+}
+
+TEST_CASE("a traced step shows the reductions going out during the last micro-sequence's backward") {
+  Hyperparameters h;
+  h.num_iterations = kSteps;
+  h.micro_batches = kMicro;
+  h.seq_len = kT;
+  const Schedule schedule = schedule_of(h);
+  const std::string dir = (std::filesystem::temp_directory_path() / "speedrun_timeline_test").string();
+  std::filesystem::create_directories(dir);
+  SimulatedDeviceWorld(2).run([&](DeviceCommunicator& comm) {
+    DeviceMemory memory;
+    GPT model(gpu_config(), memory);
+    Optimizers optimizers(h, model.params, comm, memory);
+    Activations acts(model.config(), kT, /*backward=*/true, memory);
+    initialize_parameters(model.config(), model.params, 3);
+    Timeline timeline;
+    model.set_timeline(&timeline);
+    optimizers.set_timeline(&timeline);
+    HostBatch host(token_stream().data(), kMicro, kT, 0, comm.rank(), comm.world_size());
+    cudaStream_t s;  // each rank its own stream, as train_ranks
+    CUDA_CHECK(cudaStreamCreate(&s));
+    train_step(model, acts, optimizers, host.batch, 0, schedule, /*fp8_head=*/false, s);
+    CUDA_CHECK(cudaStreamDestroy(s));
+    timeline.write_chrome_trace(dir + "/rank" + std::to_string(comm.rank()) + ".json", comm.rank());
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string path = dir + "/rank" + std::to_string(rank) + ".json";
+    std::vector<double> last_block0 = span_starts(path, "backward block 0");
+    std::vector<double> head_reduce = span_starts(path, "reduce lm_head.weight");
+    std::vector<double> late_chunk = span_starts(path, "reduce blocks.10.mlp.c_fc.weight chunk");
+    std::vector<double> embed_reduce = span_starts(path, "reduce embed.weight");
+    CHECK(last_block0.size() == size_t(kMicro / 2) && head_reduce.size() == 1 && late_chunk.size() == 1 &&
+          embed_reduce.size() == 1);
+    if (last_block0.empty() || head_reduce.empty() || late_chunk.empty() || embed_reduce.empty()) continue;
+    std::printf("  rank %d: last backward of block 0 starts at %.0f us; reductions of lm_head at %.0f us, of the "
+                "blocks 10-11 c_fc chunk at %.0f us, of embed at %.0f us\n",
+                rank, last_block0.back(), head_reduce[0], late_chunk[0], embed_reduce[0]);
+    CHECK(head_reduce[0] < late_chunk[0]);
+    CHECK(late_chunk[0] < last_block0.back());  // hidden under the backward of the earlier blocks
+    CHECK(embed_reduce[0] > last_block0.back());
+  }
+  std::filesystem::remove_all(dir);
 }
 
 int main() { return run_gpu_checks(); }
