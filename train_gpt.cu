@@ -1576,9 +1576,12 @@ class TrainingRun {
     std::printf("rank %d: the GPU schedule of step %d is in %s\n", comm_->rank(), step, path.c_str());
   }
 
+  // The checkpoint of step s is good once the loss of the next step, computed from its
+  // parameters, is finite: until then a NaN stop names the one before.
   void checkpoint(int step) {
     write_checkpoint(checkpoint_dir_, capture_state(state_, step));
-    last_checkpoint_ = checkpoint_path(checkpoint_dir_, step);
+    unconfirmed_checkpoint_ = checkpoint_path(checkpoint_dir_, step);
+    unconfirmed_step_ = step;
   }
 
   void train_and_log(int step, const RankBatch& batch) {
@@ -1596,6 +1599,7 @@ class TrainingRun {
     if (!std::isfinite(loss))
       throw std::runtime_error("training loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1) +
                                "; last good checkpoint: " + last_checkpoint_);
+    if (unconfirmed_step_ == step) last_checkpoint_ = unconfirmed_checkpoint_;
     if (step == counters_.step) check_rank_consistency(model_.params, *comm_, checksum_, 0);  // after the first step
     std::string line = train_step_line(step + 1, h_.num_iterations, counters_.train_ms);
     say(line, /*console=*/false);
@@ -1617,7 +1621,8 @@ class TrainingRun {
   unsigned long long* checksum_;
   RunCounters counters_;
   std::vector<StateBuffer> state_;
-  std::string checkpoint_dir_, last_checkpoint_ = "none";
+  std::string checkpoint_dir_, last_checkpoint_ = "none", unconfirmed_checkpoint_;
+  int unconfirmed_step_ = -1;
   std::unique_ptr<RunLog> log_;  // rank 0 only
 };
 
