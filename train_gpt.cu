@@ -22,7 +22,9 @@
 #include "kernels/schedules.h"
 #include "kernels/sharding.h"
 #include "kernels/timeline.cuh"
+#include "kernels/watchdog.h"
 
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -75,6 +77,7 @@ struct Hyperparameters {
   bool bf16_head = false;           // train with a bf16 lm_head instead of the FP8 one of SPEC 1.5
   std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
+  int stall_timeout = 600;          // seconds without progress after which a rank aborts (0: never)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -138,6 +141,9 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"timeline-step", &h.timeline_step,
        "write that step's GPU schedule to <log-dir>/timeline_rank<r>_step<N>.json (0: none)",
        non_negative(&h.timeline_step), "non-negative"},
+      {"stall-timeout", &h.stall_timeout,
+       "seconds without progress (a hung collective) after which a rank aborts and exits 75 (0: never)",
+       non_negative(&h.stall_timeout), "non-negative"},
   };
 }
 
@@ -1486,16 +1492,34 @@ inline std::string rank_checkpoint_dir(const Hyperparameters& h, const DeviceCom
   return comm.world_size() == 1 ? h.checkpoint_dir : h.checkpoint_dir + "/rank" + std::to_string(comm.rank());
 }
 
+// The watchdog of a run (null with --stall-timeout 0): a rank stuck in one phase for the timeout
+// (a peer died or diverged, so a collective never ends) aborts its communicator and exits, and the
+// launcher stops the others. It runs from before the rendezvous, which it also covers.
+inline std::unique_ptr<ProgressWatchdog> start_watchdog(const Hyperparameters& h, int rank,
+                                                        const std::atomic<DeviceCommunicator*>& comm) {
+  if (h.stall_timeout == 0) return nullptr;
+  auto watchdog = std::make_unique<ProgressWatchdog>(std::chrono::seconds(h.stall_timeout), [rank, &comm](const std::string& m) {
+    abort_stalled_rank(rank, m, [&comm] {
+      if (DeviceCommunicator* c = comm.load()) c->abort();
+    });
+  });
+  watchdog->beat("connecting the ranks (rendezvous, NCCL init)");
+  return watchdog;
+}
+
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
   TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g)
-      : h_(h), schedule_(schedule_of(h)), comm_(connect_ranks(g)), model_(config_, memory_),
+      : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank, live_comm_)), comm_(connect_ranks(g)),
+        model_(config_, memory_),
         optimizers_(h, model_.params, *comm_, memory_),
         train_(config_, h.seq_len, /*backward=*/true, memory_), eval_(config_, h.val_seq_len, false, memory_),
         val_(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab),
         checksum_(memory_.alloc<unsigned long long>("parameter checksum", 1)),
         state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, *comm_)) {
+    live_comm_ = comm_.get();
+    beat("initialisation");
     // Every rank initialises from rank 0's seed (52 bits: exact through the double all-reduce).
     uint64_t seed = comm_->rank() == 0 ? (h.seed ? h.seed : fresh_seed()) & ((uint64_t(1) << 52) - 1) : 0;
     counters_.seed = uint64_t(comm_->all_reduce_sum(double(seed)));
@@ -1509,6 +1533,10 @@ class TrainingRun {
     }
   }
 
+  ~TrainingRun() { live_comm_ = nullptr; }  // the watchdog outlives comm_ (a hang in its teardown only exits)
+  TrainingRun(const TrainingRun&) = delete;
+  TrainingRun& operator=(const TrainingRun&) = delete;
+
   int run() {
     if (h_.warmup_steps > 0) warm_up_and_restore();  // before a resume too: the checkpoint replaces its state
     if (h_.resume) resume();
@@ -1518,9 +1546,17 @@ class TrainingRun {
     PrefetchLoader loader = training_loader(h_, counters_.step, comm_->rank(), comm_->world_size());
     for (int step = counters_.step;; ++step) {
       const bool last = step == h_.num_iterations;
-      if (last || step == 0 || (h_.val_every > 0 && step % h_.val_every == 0)) validate_and_log(step);
-      if (last || (h_.checkpoint_every > 0 && step > counters_.step && step % h_.checkpoint_every == 0)) checkpoint(step);
+      const std::string at = "step " + std::to_string(step) + ": ";
+      if (last || step == 0 || (h_.val_every > 0 && step % h_.val_every == 0)) {
+        beat(at + "validation");
+        validate_and_log(step);
+      }
+      if (last || (h_.checkpoint_every > 0 && step > counters_.step && step % h_.checkpoint_every == 0)) {
+        beat(at + "checkpoint");
+        checkpoint(step);
+      }
       if (last) break;
+      beat(at + "training");
       train_and_log(step, loader.next());
     }
     size_t free_bytes = 0, total_bytes = 0;
@@ -1533,11 +1569,15 @@ class TrainingRun {
   void say(const std::string& line, bool console = true) {
     if (log_) log_->line(line, console);
   }
+  void beat(const std::string& phase) {
+    if (watchdog_) watchdog_->beat(phase);
+  }
 
   void warm_up_and_restore() {
     Checkpoint initial = capture_state(state_, 0);
     PrefetchLoader loader = training_loader(h_, 0, comm_->rank(), comm_->world_size());
     for (int i = 0; i < h_.warmup_steps; ++i) {
+      beat("warmup step " + std::to_string(i));
       int step = std::min(i, h_.num_iterations - 1);
       train_step(model_, train_, optimizers_, loader.next(), step, schedule_, !h_.bf16_head, 0);
     }
@@ -1545,6 +1585,7 @@ class TrainingRun {
   }
 
   void resume() {
+    beat("resume");
     const std::string path = newest_checkpoint(checkpoint_dir_);
     if (path.empty()) throw std::runtime_error("--resume: no checkpoint in " + checkpoint_dir_);
     Checkpoint c = read_checkpoint(path);
@@ -1612,6 +1653,8 @@ class TrainingRun {
   const Hyperparameters& h_;
   const Schedule schedule_;
   const GPTConfig config_;
+  std::atomic<DeviceCommunicator*> live_comm_{nullptr};  // what the watchdog aborts, once connected
+  std::unique_ptr<ProgressWatchdog> watchdog_;            // before comm_: covers the rendezvous and its teardown
   std::unique_ptr<DeviceCommunicator> comm_;
   DeviceMemory memory_;
   GPT model_;

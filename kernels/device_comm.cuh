@@ -32,6 +32,9 @@ class DeviceCommunicator {
   virtual void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) = 0;
   // A host scalar summed over the ranks (validation losses and token counts); synchronous.
   virtual double all_reduce_sum(double value) = 0;
+  // Called from another thread when this rank is stuck (ProgressWatchdog): ends the collectives in
+  // flight, so the process can exit. Nothing to do where no collective can hang.
+  virtual void abort() {}
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -69,6 +72,7 @@ class NcclCommunicator : public DeviceCommunicator {
     }
     NCCL_CHECK(ncclGroupEnd());
   }
+  void abort() override { NCCL_CHECK(ncclCommAbort(comm_)); }
   double all_reduce_sum(double value) override {
     CUDA_CHECK(cudaMemcpyAsync(scalar_, &value, sizeof value, cudaMemcpyHostToDevice, scalar_stream_));
     NCCL_CHECK(ncclAllReduce(scalar_, scalar_, 1, ncclFloat64, ncclSum, comm_, scalar_stream_));
