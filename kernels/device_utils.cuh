@@ -1,4 +1,4 @@
-// Small device helpers shared by the kernel headers: warp/block reductions, 16-byte bf16 vectors,
+// Small device helpers shared by the kernel headers: warp/block reductions, 16-byte vectors,
 // the grid of elementwise kernels, fp32 <-> bf16 conversion, asynchronous uploads of host arrays.
 #pragma once
 #include "kernels/cuda_check.cuh"
@@ -51,6 +51,13 @@ __device__ inline void load8(const bf16* p, float out[8]) {
   Bf16x8 x = *reinterpret_cast<const Bf16x8*>(p);
 #pragma unroll
   for (int i = 0; i < 8; ++i) out[i] = __bfloat162float(x.v[i]);
+}
+
+// Eight fp32 in two 16-byte loads (p 16-byte aligned).
+__device__ inline void load8(const float* p, float out[8]) {
+  float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+  out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
 }
 
 __device__ inline void store8(bf16* p, const float in[8]) {

@@ -1,6 +1,7 @@
-// Matmuls through cuBLASLt: bf16 operands, fp32 accumulation, bf16 or fp32 output, row-major
-// interface. One plan (descriptors + heuristic algorithm) is cached per shape; the workspace is
-// shared. The three products of a linear layer y = x W^T (x [tokens, in], W [out, in]):
+// Matmuls through cuBLASLt: bf16 (or FP8, see MatmulOptions) operands, fp32 accumulation, bf16 or
+// fp32 output, row-major interface. One plan (descriptors + heuristic algorithm) is cached per
+// shape and options; the workspace is shared. The three products of a linear layer y = x W^T
+// (x [tokens, in], W [out, in]):
 //   forward      y[t, out]  = x W^T        matmul(x, N, W, T, y, tokens, out, in)
 //   input grad  dx[t, in]   = dy W         matmul(dy, N, W, N, dx, tokens, in, out)
 //   weight grad dW[out, in] = dy^T x       matmul(dy, T, x, N, dW, out, in, tokens), beta 1 accumulates
@@ -12,6 +13,20 @@
 #include <tuple>
 
 enum class Transpose { N, T };
+
+// What a product may change from the bf16 default: FP8 operand types (e4m3 or e5m2, not both
+// e5m2), each with its dequantisation scale (a device float, read when the product runs; null
+// means 1), and Hopper's fast FP8 accumulation (no periodic promotion to fp32: faster, less exact).
+// cuBLASLt's FP8 kernels want both operands K-contiguous: A stored [M, K] (N), B stored [N, K] (T),
+// and M, N, K multiples of 16.
+struct MatmulOptions {
+  cudaDataType_t a_type = CUDA_R_16BF, b_type = CUDA_R_16BF;
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
+  bool fast_accum = false;
+};
+
+inline bool is_fp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
 
 class Matmul {
  public:
@@ -31,33 +46,51 @@ class Matmul {
   // [K, M] (T); B is stored [K, N] (N) or [N, K] (T). A and B are bf16; C is bf16 or fp32.
   void operator()(const void* A, Transpose ta, const void* B, Transpose tb, void* C, int M, int N, int K,
                   cudaDataType_t c_type, cudaStream_t stream, float alpha = 1.0f, float beta = 0.0f) {
-    const Plan& plan = plan_for({M, N, K, ta == Transpose::T, tb == Transpose::T, c_type});
+    (*this)(A, ta, B, tb, C, M, N, K, c_type, MatmulOptions{}, stream, alpha, beta);
+  }
+
+  // The same with operand types, scales and accumulation from `o`:
+  // C = alpha * (a_scale * op(A)) (b_scale * op(B)) + beta * C.
+  void operator()(const void* A, Transpose ta, const void* B, Transpose tb, void* C, int M, int N, int K,
+                  cudaDataType_t c_type, const MatmulOptions& o, cudaStream_t stream, float alpha = 1.0f,
+                  float beta = 0.0f) {
+    if (!is_fp8(o.a_type) && (o.a_scale || o.b_scale)) throw std::invalid_argument("scales are for FP8 operands");
+    const Plan& plan = plan_for({M, N, K, ta == Transpose::T, tb == Transpose::T, c_type, o.a_type, o.b_type,
+                                 o.fast_accum}, o);
+    if (is_fp8(o.a_type)) set_scales(plan, o);  // the plan may have been made with other scale buffers
     // cuBLASLt is column-major: compute C^T[N, M] = op(B)^T op(A)^T, i.e. B first.
     CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, B, plan.b, A, plan.a, &beta, C, plan.c, C, plan.c,
                                 &plan.algo, workspace_, workspace_bytes_, stream));
   }
 
  private:
-  using Key = std::tuple<int, int, int, bool, bool, cudaDataType_t>;  // M, N, K, transA, transB, C type
+  // M, N, K, transA, transB, C type, A type, B type, fast accumulation
+  using Key = std::tuple<int, int, int, bool, bool, cudaDataType_t, cudaDataType_t, cudaDataType_t, bool>;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
 
-  const Plan& plan_for(const Key& key) {
+  const Plan& plan_for(const Key& key, const MatmulOptions& o) {
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second;
-    auto [M, N, K, trans_a, trans_b, c_type] = key;
+    auto [M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum] = key;
+    check_types(M, N, K, trans_a, trans_b, a_type, b_type, fast_accum);
     Plan p;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    if (fast_accum) {
+      int8_t on = 1;
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &on, sizeof(on)));
+    }
+    if (is_fp8(a_type)) set_scales(p, o);  // before the heuristic, which sees the whole description
     cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     // The column-major call's first operand is B, its second A.
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof(op_b)));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof(op_a)));
     // Column-major views of the row-major buffers: stored [r, c] row-major is [c, r] column-major.
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, trans_b ? K : N, trans_b ? N : K, trans_b ? K : N));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, trans_a ? M : K, trans_a ? K : M, trans_a ? M : K));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, b_type, trans_b ? K : N, trans_b ? N : K, trans_b ? K : N));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, a_type, trans_a ? M : K, trans_a ? K : M, trans_a ? M : K));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_type, N, M, N));
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -72,6 +105,33 @@ class Matmul {
                                "x" + std::to_string(K) + " matmul");
     p.algo = result.algo;
     return plans_.emplace(key, p).first->second;
+  }
+
+  // Refuses, naming the reason, what cuBLASLt would answer only with "not supported".
+  static void check_types(int M, int N, int K, bool trans_a, bool trans_b, cudaDataType_t a_type,
+                          cudaDataType_t b_type, bool fast_accum) {
+    const bool fp8 = is_fp8(a_type);
+    if (fp8 != is_fp8(b_type) || (!fp8 && (a_type != CUDA_R_16BF || b_type != CUDA_R_16BF)))
+      throw std::invalid_argument("matmul operands must be both bf16 or both FP8");
+    if (!fp8) {
+      if (fast_accum) throw std::invalid_argument("fast accumulation is an FP8 option");
+      return;
+    }
+    if (a_type == CUDA_R_8F_E5M2 && b_type == CUDA_R_8F_E5M2)
+      throw std::invalid_argument("cuBLASLt has no e5m2 x e5m2 matmul");
+    if (trans_a || !trans_b)
+      throw std::invalid_argument("FP8 matmuls need A stored [M, K] (N) and B stored [N, K] (T)");
+    if (M % 16 || N % 16 || K % 16)
+      throw std::invalid_argument("FP8 matmul " + std::to_string(M) + "x" + std::to_string(N) + "x" +
+                                  std::to_string(K) + ": every dimension must be a multiple of 16");
+  }
+
+  // The column-major call's A is our B and its B our A, so the scales swap too.
+  static void set_scales(const Plan& p, const MatmulOptions& o) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &o.b_scale,
+                                                sizeof(o.b_scale)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &o.a_scale,
+                                                sizeof(o.a_scale)));
   }
 
   static void destroy(Plan& p) {

@@ -1,13 +1,14 @@
 // Kernel benchmark at the record's shapes (one micro-sequence: T = 49,152 tokens, d = 768,
-// vocab 50,304). Measures the two ceilings first in the same run (device-to-device copy bandwidth,
-// a large cuBLASLt bf16 matmul), then prints per kernel: median time, achieved TB/s or TFLOP/s,
-// and the fraction of the measured ceiling. Usage: bench_kernels [repeats], from the repository
-// root (attention reads the documents of data/sample/).
+// vocab 50,304). Measures the ceilings first in the same run (device-to-device copy bandwidth,
+// large cuBLASLt bf16 and FP8 matmuls), then prints per kernel: median time, achieved TB/s or
+// TFLOP/s, and the fraction of the measured ceiling (FP8 products: of the FP8 one). Usage:
+// bench_kernels [repeats], from the repository root (attention reads the documents of data/sample/).
 #include "data/dataloader.h"
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/cross_entropy.cuh"
 #include "kernels/flash_attention.cuh"
+#include "kernels/fp8_head.cuh"
 #include "kernels/matmul.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
@@ -67,14 +68,26 @@ X* device_alloc(size_t n) {
   return d;
 }
 
+// A device buffer of n e4m3 values of N(0, 1): never zeros.
+fp8* random_e4m3(size_t n, uint64_t seed) {
+  std::vector<fp8> host(n);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (fp8& x : host) x = to_fp8<Fp8Kind::e4m3>(normal(rng));
+  fp8* d = device_alloc<fp8>(n);
+  CUDA_CHECK(cudaMemcpy(d, host.data(), n, cudaMemcpyHostToDevice));
+  return d;
+}
+
 struct Peaks {
-  double bandwidth_tbs, matmul_tflops;
+  double bandwidth_tbs, matmul_tflops, fp8_matmul_tflops;
 };
 
-void row(const char* name, float ms, double bytes, double flops, const Peaks& peaks) {
+// fp8: the row is an FP8 product, measured against the FP8 ceiling.
+void row(const char* name, float ms, double bytes, double flops, const Peaks& peaks, bool fp8 = false) {
   if (flops > 0) {
-    double tflops = flops / ms / 1e9;
-    std::printf("| %-38s | %8.3f | %7.1f TFLOP/s | %5.1f%% |\n", name, ms, tflops, 100 * tflops / peaks.matmul_tflops);
+    double tflops = flops / ms / 1e9, peak = fp8 ? peaks.fp8_matmul_tflops : peaks.matmul_tflops;
+    std::printf("| %-38s | %8.3f | %7.1f TFLOP/s | %5.1f%% |\n", name, ms, tflops, 100 * tflops / peak);
   } else {
     double tbs = bytes / ms / 1e9;
     std::printf("| %-38s | %8.3f | %7.2f TB/s    | %5.1f%% |\n", name, ms, tbs, 100 * tbs / peaks.bandwidth_tbs);
@@ -91,12 +104,17 @@ Peaks measure_peaks(Matmul& matmul) {
   const int n = 8192;
   bf16 *a = random_bf16(size_t(n) * n, 1.0f, 1), *b = random_bf16(size_t(n) * n, 1.0f, 2), *c = device_alloc<bf16>(size_t(n) * n);
   float mm_ms = median_ms([&] { matmul(a, Transpose::N, b, Transpose::T, c, n, n, n, CUDA_R_16BF, 0); });
-  cudaFree(a);
-  cudaFree(b);
-  cudaFree(c);
-  Peaks p{2.0 * copy_bytes / copy_ms / 1e9, 2.0 * n * n * double(n) / mm_ms / 1e9};
+  // FP8 e4m3 x e4m3 -> bf16 with fast accumulation: the fastest FP8 product cuBLASLt offers.
+  fp8 *a8 = random_e4m3(size_t(n) * n, 3), *b8 = random_e4m3(size_t(n) * n, 4);
+  MatmulOptions fp8_fast{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, nullptr, nullptr, /*fast_accum=*/true};
+  float fp8_ms = median_ms([&] { matmul(a8, Transpose::N, b8, Transpose::T, c, n, n, n, CUDA_R_16BF, fp8_fast, 0); });
+  for (void* p : {(void*)a, (void*)b, (void*)c, (void*)a8, (void*)b8}) cudaFree(p);
+  const double flops = 2.0 * n * n * double(n);
+  Peaks p{2.0 * copy_bytes / copy_ms / 1e9, flops / mm_ms / 1e9, flops / fp8_ms / 1e9};
   std::printf("| %-38s | %8.3f | %7.2f TB/s    | 100.0%% |\n", "ceiling: device copy 2 GiB (read+write)", copy_ms, p.bandwidth_tbs);
   std::printf("| %-38s | %8.3f | %7.1f TFLOP/s | 100.0%% |\n", "ceiling: cuBLASLt bf16 8192^3", mm_ms, p.matmul_tflops);
+  std::printf("| %-38s | %8.3f | %7.1f TFLOP/s | 100.0%% |\n", "ceiling: cuBLASLt fp8 8192^3 fast acc", fp8_ms,
+              p.fp8_matmul_tflops);
   return p;
 }
 
@@ -117,6 +135,50 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
     row(name, median_ms([&] { matmul(y, Transpose::T, x, Transpose::N, dw, l.out, l.in, T, CUDA_R_32F, 0); }), 0, flops, peaks);
     for (void* p : {(void*)x, (void*)w, (void*)y, (void*)dx, (void*)dw}) cudaFree(p);
   }
+}
+
+// The FP8 head of SPEC 1.5 over one micro-sequence: the T rows in chunks of 8192, as the model runs
+// them (one chunk's gradient buffer, reused). The product rows time the cuBLASLt products alone,
+// as bench_torch.py's _scaled_mm rows; the quantisations (plain + transposed copy) are memory-bound
+// rows; the last row is all the model runs per micro-sequence: the weight once, then forward and
+// backward of every chunk.
+void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
+  constexpr int kChunk = 8192, kChunks = T / kChunk;
+  Fp8Head head(kChunk, V, D);
+  bf16 *x = random_bf16(size_t(T) * D, 1.0f, 14), *g = random_bf16(size_t(kChunk) * V, 1e-3f, 15);
+  bf16 *w_bf16 = random_bf16(size_t(V) * D, 0.02f, 16), *dw_bf16 = random_bf16(size_t(V) * D, 1.0f, 17);
+  bf16 *logits = device_alloc<bf16>(size_t(kChunk) * V), *dx = device_alloc<bf16>(size_t(T) * D);
+  float *w = device_alloc<float>(size_t(V) * D), *dw = device_alloc<float>(size_t(V) * D);
+  convert(w_bf16, w, size_t(V) * D, 0);
+  convert(dw_bf16, dw, size_t(V) * D, 0);
+  auto chunks = [&](const std::function<void(int)>& f) {
+    for (int c = 0; c < kChunks; ++c) f(c);
+  };
+  auto x_chunk = [&](int c) { return x + size_t(c) * kChunk * D; };
+  auto dx_chunk = [&](int c) { return dx + size_t(c) * kChunk * D; };
+  head.quantize_weight(w, 0);
+  head.forward(x, logits, kChunk, matmul, 0);  // the products below reuse chunk 0's FP8 operands
+  head.backward(g, dx, dw, kChunk, matmul, 0);
+  const double flops = 2.0 * T * D * double(V);  // one product over all chunks
+  row("fp8 head fwd", median_ms([&] { chunks([&](int) { head.logits_product(logits, matmul, 0); }); }), 0, flops, peaks, true);
+  row("fp8 head dx", median_ms([&] { chunks([&](int c) { head.grad_input_product(dx_chunk(c), matmul, 0); }); }), 0,
+      flops, peaks, true);
+  row("fp8 head dW (fp32 out)", median_ms([&] { chunks([&](int) { head.grad_weight_product(dw, matmul, 0); }); }), 0,
+      flops, peaks, true);
+  row("fp8 quantise x [8192, 768] x6 (+T)", median_ms([&] { chunks([&](int c) { head.quantize_input(x_chunk(c), kChunk, 0); }); }),
+      4.0 * T * D, 0, peaks);
+  row("fp8 quantise g [8192, 50304] x6 (+T)", median_ms([&] { chunks([&](int) { head.quantize_grad(g, kChunk, 0); }); }),
+      4.0 * T * V, 0, peaks);
+  row("fp8 quantise w [50304, 768] (+T)", median_ms([&] { head.quantize_weight(w, 0); }), 6.0 * V * D, 0, peaks);
+  row("fp8 head fwd+bwd (6 chunks, w once)", median_ms([&] {
+        head.quantize_weight(w, 0);
+        chunks([&](int c) {
+          head.forward(x_chunk(c), logits, kChunk, matmul, 0);
+          head.backward(g, dx_chunk(c), dw, kChunk, matmul, 0);
+        });
+      }), 0, 3 * flops, peaks, true);
+  for (void* p : {(void*)x, (void*)g, (void*)w_bf16, (void*)dw_bf16, (void*)logits, (void*)dx, (void*)w, (void*)dw})
+    cudaFree(p);
 }
 
 void bench_memory_bound(const Peaks& peaks) {
@@ -209,6 +271,7 @@ int main(int argc, char** argv) {
     Matmul matmul;
     Peaks peaks = measure_peaks(matmul);
     bench_matmuls(matmul, peaks);
+    bench_fp8_head(matmul, peaks);
     bench_memory_bound(peaks);
     bench_attention(peaks);
   } catch (const std::exception& e) {

@@ -7,7 +7,8 @@ GPU, beside our kernels' times (the table `build/bench_kernels` prints, passed w
   over the documents of the first T tokens of data/sample/ (the same tokens bench_kernels reads);
   F.scaled_dot_product_attention (causal, no document mask: a dense reference point);
 - the FP8 head of SPEC 1.5 through torch._scaled_mm (forward with fast accumulation, both
-  backward products without), and the bf16 matmuls of every linear layer;
+  backward products without) over T rows in chunks of 8192, and the bf16 matmuls of every
+  linear layer;
 - rms_norm and the softcapped cross-entropy under torch.compile (what the reference runs).
 
 Usage (on the GPU machine, from the repository root):
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 T, D, FF, QKV, V, H, HEAD_DIM = 49152, 768, 3072, 2304, 50304, 6, 128
+CHUNK = 8192  # rows of the lm_head at once, as the model runs it (train_gpt.cu kHeadChunkRows)
 BOS, BLOCK = 50256, 128
 SAMPLE = "data/sample/sample_train_000001.bin"
 
@@ -114,23 +116,58 @@ def bench_matmuls(rows, repeats):
 
 
 def bench_fp8_head(rows, repeats):
+    """SPEC 1.5's FP8 head over the T rows in chunks of CHUNK rows, as bench_kernels times it (one
+    chunk's gradient, reused). The product rows time _scaled_mm and the transposes the reference
+    makes for it; the last row is the reference's custom op (casts, transposes, products) per
+    chunk, the weight cast once, and the chunks' weight gradients summed (ours accumulate in the
+    product)."""
     x_s, w_s, grad_s = D ** 0.5 / 448, 24 / 448, 1 / 448
-    scale = lambda s: torch.tensor(s, device="cuda", dtype=torch.float32)
+    # The scales as device tensors once: a host-to-device copy per call would be timed too.
+    sx, sw, sg = (torch.tensor(s, device="cuda", dtype=torch.float32) for s in (x_s, w_s, grad_s))
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(V, D, device="cuda", dtype=torch.float32) * 0.02
-    g = torch.randn(T, V, device="cuda", dtype=torch.bfloat16) * 1e-3
+    g = torch.randn(CHUNK, V, device="cuda", dtype=torch.bfloat16) * 1e-3
     x_f8 = (x / x_s).to(torch.float8_e4m3fn)
     w_f8 = (w / w_s).to(torch.float8_e4m3fn)
     g_f8 = (g / grad_s).to(torch.float8_e5m2)
-    rows.append(("fp8 head fwd", "_scaled_mm fp8 head fwd", median_ms(lambda: torch._scaled_mm(
-        x_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=scale(x_s), scale_b=scale(w_s), use_fast_accum=True),
-        repeats)))
-    rows.append(("fp8 head dx", "_scaled_mm fp8 head dx (+ w transpose)", median_ms(lambda: torch._scaled_mm(
-        g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, scale_a=scale(grad_s), scale_b=scale(w_s),
-        use_fast_accum=False), repeats)))
-    rows.append(("fp8 head dW (fp32 out)", "_scaled_mm fp8 head dW (+ transposes)", median_ms(lambda: torch._scaled_mm(
-        x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32, scale_a=scale(x_s),
-        scale_b=scale(grad_s), use_fast_accum=False).T, repeats)))
+    chunks = range(0, T, CHUNK)
+
+    def forward():
+        for r in chunks:
+            torch._scaled_mm(x_f8[r:r + CHUNK], w_f8.T, out_dtype=torch.bfloat16, scale_a=sx,
+                             scale_b=sw, use_fast_accum=True)
+
+    def grad_input():
+        w_f8_t = w_f8.T.contiguous().T
+        for _ in chunks:
+            torch._scaled_mm(g_f8, w_f8_t, out_dtype=torch.bfloat16, scale_a=sg, scale_b=sw,
+                             use_fast_accum=False)
+
+    def grad_weight():
+        for r in chunks:
+            torch._scaled_mm(x_f8[r:r + CHUNK].T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
+                             scale_a=sx, scale_b=sg, use_fast_accum=False)
+
+    dw = torch.zeros(V, D, device="cuda", dtype=torch.float32)
+
+    def reference_op():
+        w8 = w.div(w_s).to(torch.float8_e4m3fn)
+        w8_t = w8.T.contiguous().T
+        for r in chunks:
+            x8 = x[r:r + CHUNK].div(x_s).to(torch.float8_e4m3fn)
+            torch._scaled_mm(x8, w8.T, out_dtype=torch.bfloat16, scale_a=sx, scale_b=sw,
+                             use_fast_accum=True)
+            g8 = g.div(grad_s).to(torch.float8_e5m2)
+            torch._scaled_mm(g8, w8_t, out_dtype=torch.bfloat16, scale_a=sg, scale_b=sw,
+                             use_fast_accum=False)
+            dw.add_(torch._scaled_mm(x8.T.contiguous(), g8.T.contiguous().T, out_dtype=torch.float32,
+                                     scale_a=sx, scale_b=sg, use_fast_accum=False).T)
+
+    rows.append(("fp8 head fwd", "_scaled_mm fp8 head fwd", median_ms(forward, repeats)))
+    rows.append(("fp8 head dx", "_scaled_mm fp8 head dx (+ w transpose)", median_ms(grad_input, repeats)))
+    rows.append(("fp8 head dW (fp32 out)", "_scaled_mm fp8 head dW (+ transposes)", median_ms(grad_weight, repeats)))
+    rows.append(("fp8 head fwd+bwd (6 chunks, w once)", "reference mm op fwd+bwd, 6 chunks",
+                 median_ms(reference_op, repeats)))
 
 
 def bench_compiled_pointwise(rows, repeats):

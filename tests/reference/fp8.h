@@ -1,6 +1,8 @@
 // Rounding to the FP8 formats of the lm_head (SPEC 1.5): round-to-nearest-even, subnormals kept,
-// overflow as PyTorch's non-saturating cast gives it (NaN for e4m3fn, inf for e5m2).
+// overflow as PyTorch's non-saturating cast gives it (NaN for e4m3fn, inf for e5m2); and the value
+// of an FP8 byte.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -15,6 +17,7 @@ constexpr Fp8Format kE5M2{2, -14, 57344.0, false};
 
 inline double round_to_fp8(double x, const Fp8Format& f) {
   if (x == 0 || std::isnan(x)) return x;
+  if (std::isinf(x)) return f.overflow_is_nan ? std::numeric_limits<double>::quiet_NaN() : x;
   double a = std::fabs(x);
   int exponent = std::max(int(std::floor(std::log2(a))), f.min_normal_exponent);
   double quantum = std::ldexp(1.0, exponent - f.mantissa_bits);
@@ -24,3 +27,23 @@ inline double round_to_fp8(double x, const Fp8Format& f) {
                                 : std::numeric_limits<double>::infinity();
   return std::copysign(rounded, x);
 }
+
+// The value of an FP8 byte: sign, exponent (bias 1 - min_normal_exponent), mantissa; exponent 0
+// is subnormal. The all-ones exponent is NaN with an all-ones mantissa in e4m3fn (its only
+// special value) and inf (mantissa 0) or NaN in e5m2.
+inline double decode_fp8(unsigned char byte, const Fp8Format& f) {
+  const int exponent_bits = 7 - f.mantissa_bits, bias = 1 - f.min_normal_exponent;
+  const int mantissa = byte & ((1 << f.mantissa_bits) - 1);
+  const int exponent = (byte >> f.mantissa_bits) & ((1 << exponent_bits) - 1);
+  const double sign = byte & 0x80 ? -1.0 : 1.0;
+  const int all_ones = (1 << exponent_bits) - 1;
+  if (f.overflow_is_nan && exponent == all_ones && mantissa == (1 << f.mantissa_bits) - 1)
+    return std::numeric_limits<double>::quiet_NaN();
+  if (!f.overflow_is_nan && exponent == all_ones)
+    return mantissa == 0 ? sign * std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+  if (exponent == 0) return sign * std::ldexp(double(mantissa), f.min_normal_exponent - f.mantissa_bits);
+  return sign * std::ldexp(double((1 << f.mantissa_bits) + mantissa), exponent - bias - f.mantissa_bits);
+}
+
+// Equal FP8 values, NaN equal to NaN (PyTorch's casts give NaN of either sign).
+inline bool same_fp8_value(double a, double b) { return (std::isnan(a) && std::isnan(b)) || a == b; }

@@ -1,0 +1,212 @@
+// The FP8 lm_head of SPEC 1.5 (training only), as the reference's custom op computes it:
+//   forward   logits[rows, V] = (x_s w_s) e4m3(x / x_s) e4m3(w / w_s)^T      bf16, fast accumulation
+//   backward  dx[rows, d]     = (grad_s w_s) e5m2(g / grad_s) e4m3(w / w_s)  bf16
+//             dW[V, d]       += (grad_s x_s) e5m2(g / grad_s)^T e4m3(x / x_s) fp32
+// cuBLASLt's FP8 products want both operands K-contiguous, so every quantisation writes a plain and
+// a transposed copy in one pass: x_f8 [rows, d] and [d, rows], w_f8 [V, d] and [d, V], g_f8
+// [rows, V] and [V, rows]. The casts are PyTorch's: x / s is x times the fp32 reciprocal of s,
+// rounded to x's dtype, then cast to FP8 without saturation.
+#pragma once
+#include "kernels/device_utils.cuh"
+#include "kernels/matmul.cuh"
+
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+using fp8 = __nv_fp8_storage_t;  // one FP8 byte: e4m3fn or e5m2, as the buffer says
+
+enum class Fp8Kind { e4m3, e5m2 };
+
+// SPEC 1.5's scales, as the fp32 values _scaled_mm receives. x is RMS-normalised: |x| <= sqrt(d)
+// maps onto e4m3's 448.
+struct Fp8HeadScales {
+  float x, w, grad;
+  explicit Fp8HeadScales(int model_dim)
+      : x(float(std::sqrt(double(model_dim)) / 448)), w(float(24.0 / 448)), grad(float(1.0 / 448)) {}
+};
+
+// PyTorch's non-saturating cast: round to nearest even, subnormals kept, and what rounds past the
+// largest finite value becomes NaN (e4m3fn has no infinity) or inf (e5m2). The hardware cast
+// rounds the same way but exists only saturating, so the overflow is put back: e4m3 overflows
+// above 464 (448 + half its step; 464 itself rounds to the even 448), e5m2 from 61440 (57344 + half
+// its step, which rounds to the even 65536).
+template <Fp8Kind kind>
+__host__ __device__ inline fp8 to_fp8(float v) {
+  if constexpr (kind == Fp8Kind::e4m3) {
+    fp8 q = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+    return fabsf(v) > 464.0f ? fp8(q | 0x7F) : q;  // sign kept, all-ones exponent and mantissa: NaN
+  } else {
+    fp8 q = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+    return fabsf(v) >= 61440.0f ? fp8((q & 0x80) | 0x7C) : q;  // sign kept, infinity
+  }
+}
+
+// v / s as PyTorch divides a tensor by a Python float: v times the fp32 reciprocal of s, in fp32,
+// rounded to the tensor's dtype In (bf16 for x and the gradient, fp32 for the master weight).
+template <typename In>
+__host__ __device__ inline float scaled_like_torch(float v, float inv_scale) {
+  float p = v * inv_scale;
+  if constexpr (std::is_same_v<In, bf16>) p = __bfloat162float(__float2bfloat16(p));
+  return p;
+}
+
+constexpr int kFp8Tile = 64;  // elements per side of a quantisation tile
+
+// out[r, c] = out_t[c, r] = to_fp8(scaled_like_torch(in[r, c])) for in [rows, cols], rows and cols
+// multiples of 8. A 256-thread block does one 64 x 64 tile, each thread 8 consecutive elements;
+// the tile goes through shared memory so that the transposed copy is written row by row as well.
+template <Fp8Kind kind, typename In>
+__global__ void __launch_bounds__(256)
+    fp8_quantize_kernel(const In* in, fp8* out, fp8* out_t, int rows, int cols, float inv_scale) {
+  __shared__ uint32_t tile[kFp8Tile][kFp8Tile / 4 + 1];  // FP8 bytes [row][col]; +1 word staggers banks
+  const int r0 = blockIdx.y * kFp8Tile, c0 = blockIdx.x * kFp8Tile;
+  const int part = threadIdx.x % 8, line = threadIdx.x / 8;  // 8 threads per 64-element line, 32 lines
+  for (int r = line; r < kFp8Tile; r += 32) {
+    const int row = r0 + r, col = c0 + part * 8;
+    if (row >= rows || col >= cols) continue;
+    float v[8];
+    load8(in + size_t(row) * cols + col, v);
+    uint32_t word[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) word[i / 4] |= uint32_t(to_fp8<kind>(scaled_like_torch<In>(v[i], inv_scale))) << (8 * (i % 4));
+    *reinterpret_cast<uint2*>(out + size_t(row) * cols + col) = make_uint2(word[0], word[1]);
+    tile[r][part * 2] = word[0];
+    tile[r][part * 2 + 1] = word[1];
+  }
+  __syncthreads();
+  for (int c = line; c < kFp8Tile; c += 32) {  // line c of out_t: column c0 + c of the tile
+    const int col = c0 + c, row = r0 + part * 8;
+    if (col >= cols || row >= rows) continue;
+    uint32_t word[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) word[i / 4] |= ((tile[part * 8 + i][c / 4] >> (8 * (c % 4))) & 0xFFu) << (8 * (i % 4));
+    *reinterpret_cast<uint2*>(out_t + size_t(col) * rows + row) = make_uint2(word[0], word[1]);
+  }
+}
+
+// out [rows, cols] and out_t [cols, rows] = to_fp8(in / scale) of in [rows, cols] (16-byte aligned).
+template <Fp8Kind kind, typename In>
+void fp8_quantize(const In* in, fp8* out, fp8* out_t, int rows, int cols, float scale, cudaStream_t stream) {
+  dim3 grid((cols + kFp8Tile - 1) / kFp8Tile, (rows + kFp8Tile - 1) / kFp8Tile);
+  fp8_quantize_kernel<kind, In><<<grid, 256, 0, stream>>>(in, out, out_t, rows, cols, 1.0f / scale);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The FP8 operands the head keeps (device bytes), for the tests.
+struct Fp8HeadOperands {
+  const fp8 *x, *x_t;  // e4m3 [rows, d], [d, rows] of the last forward
+  const fp8 *w, *w_t;  // e4m3 [V, d], [d, V] of the last quantize_weight
+  const fp8 *g, *g_t;  // e5m2 [rows, V], [V, rows] of the last backward
+};
+
+class Fp8Head {
+ public:
+  // Every dimension a multiple of 16: cuBLASLt's FP8 products need 16-byte leading dimensions.
+  Fp8Head(int max_rows, int vocab, int model_dim)
+      : max_rows_(max_rows), V_(vocab), d_(model_dim), scales_(model_dim) {
+    require_multiple_of_16("max_rows", max_rows);
+    require_multiple_of_16("vocab", vocab);
+    require_multiple_of_16("model_dim", model_dim);
+    allocate();
+    const float host_scales[3] = {scales_.x, scales_.w, scales_.grad};
+    CUDA_CHECK(cudaMemcpy(device_scales_, host_scales, sizeof host_scales, cudaMemcpyHostToDevice));
+  }
+  ~Fp8Head() { cudaFree(storage_); }
+  Fp8Head(const Fp8Head&) = delete;
+  Fp8Head& operator=(const Fp8Head&) = delete;
+
+  const Fp8HeadScales& scales() const { return scales_; }
+  Fp8HeadOperands operands() const { return {x_f8_, x_f8_t_, w_f8_, w_f8_t_, g_f8_, g_f8_t_}; }
+
+  // Once per training step, after the optimizer: w_f8 [V, d] and its transpose from the fp32
+  // master w [V, d].
+  void quantize_weight(const float* w, cudaStream_t stream) {
+    require_aligned("w", w);
+    fp8_quantize<Fp8Kind::e4m3>(w, w_f8_, w_f8_t_, V_, d_, scales_.w, stream);
+    weight_ready_ = true;
+  }
+
+  // logits [rows, V] bf16 from x [rows, d] bf16; keeps x_f8 for the backward of the same rows.
+  void forward(const bf16* x, bf16* logits, int rows, Matmul& matmul, cudaStream_t stream) {
+    quantize_input(x, rows, stream);
+    logits_product(logits, matmul, stream);
+  }
+
+  // From dlogits [rows, V] bf16 (rows as the last forward): dx [rows, d] bf16 (overwritten) and
+  // dw [V, d] fp32 += the weight gradient (accumulates over chunks and micro-sequences).
+  void backward(const bf16* dlogits, bf16* dx, float* dw, int rows, Matmul& matmul, cudaStream_t stream) {
+    quantize_grad(dlogits, rows, stream);
+    grad_input_product(dx, matmul, stream);
+    grad_weight_product(dw, matmul, stream);
+  }
+
+  // The steps of forward and backward, public so that the benchmark can time each product alone.
+  void quantize_input(const bf16* x, int rows, cudaStream_t stream) {
+    if (!weight_ready_) throw std::logic_error("Fp8Head: forward before quantize_weight");
+    if (rows <= 0 || rows > max_rows_ || rows % 16)
+      throw std::invalid_argument("Fp8Head: " + std::to_string(rows) + " rows; want a positive multiple of 16 up to " +
+                                  std::to_string(max_rows_));
+    require_aligned("x", x);
+    fp8_quantize<Fp8Kind::e4m3>(x, x_f8_, x_f8_t_, rows, d_, scales_.x, stream);
+    rows_ = rows;
+  }
+  void quantize_grad(const bf16* dlogits, int rows, cudaStream_t stream) {
+    if (rows != rows_)
+      throw std::logic_error("Fp8Head: backward of " + std::to_string(rows) + " rows after a forward of " +
+                             std::to_string(rows_));
+    require_aligned("dlogits", dlogits);
+    fp8_quantize<Fp8Kind::e5m2>(dlogits, g_f8_, g_f8_t_, rows, V_, scales_.grad, stream);
+  }
+  void logits_product(bf16* logits, Matmul& matmul, cudaStream_t stream) {  // logits [rows, V]
+    MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, device_scales_ + kX, device_scales_ + kW, /*fast_accum=*/true};
+    matmul(x_f8_, Transpose::N, w_f8_, Transpose::T, logits, rows_, V_, d_, CUDA_R_16BF, o, stream);
+  }
+  void grad_input_product(bf16* dx, Matmul& matmul, cudaStream_t stream) {  // dx [rows, d] = g [rows, V] w [V, d]
+    MatmulOptions o{CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, device_scales_ + kGrad, device_scales_ + kW, false};
+    matmul(g_f8_, Transpose::N, w_f8_t_, Transpose::T, dx, rows_, d_, V_, CUDA_R_16BF, o, stream);
+  }
+  void grad_weight_product(float* dw, Matmul& matmul, cudaStream_t stream) {  // dw [V, d] += g^T [V, rows] x [rows, d]
+    MatmulOptions o{CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, device_scales_ + kGrad, device_scales_ + kX, false};
+    matmul(g_f8_t_, Transpose::N, x_f8_t_, Transpose::T, dw, V_, d_, rows_, CUDA_R_32F, o, stream, 1.0f, 1.0f);
+  }
+
+ private:
+  enum { kX, kW, kGrad };  // indices into device_scales_
+
+  static void require_multiple_of_16(const char* what, int n) {
+    if (n <= 0 || n % 16)
+      throw std::invalid_argument(std::string("Fp8Head: ") + what + " = " + std::to_string(n) +
+                                  " must be a positive multiple of 16 (cuBLASLt FP8 leading dimensions)");
+  }
+  static void require_aligned(const char* what, const void* p) {
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+      throw std::invalid_argument(std::string("Fp8Head: ") + what + " is not 16-byte aligned");
+  }
+
+  // One allocation, carved at 256-byte boundaries: the scales, then the six FP8 buffers.
+  void allocate() {
+    const size_t xd = size_t(max_rows_) * d_, vd = size_t(V_) * d_, xv = size_t(max_rows_) * V_;
+    const size_t sizes[7] = {3 * sizeof(float), xd, xd, vd, vd, xv, xv};
+    size_t offsets[7], total = 0;
+    for (int i = 0; i < 7; ++i) {
+      offsets[i] = total;
+      total += (sizes[i] + 255) / 256 * 256;
+    }
+    CUDA_CHECK(cudaMalloc(&storage_, total));
+    device_scales_ = reinterpret_cast<float*>(storage_ + offsets[0]);
+    fp8** buffers[6] = {&x_f8_, &x_f8_t_, &w_f8_, &w_f8_t_, &g_f8_, &g_f8_t_};
+    for (int i = 0; i < 6; ++i) *buffers[i] = storage_ + offsets[i + 1];
+  }
+
+  int max_rows_, V_, d_, rows_ = 0;
+  bool weight_ready_ = false;
+  Fp8HeadScales scales_;
+  uint8_t* storage_ = nullptr;
+  float* device_scales_ = nullptr;  // [3]: x, w, grad
+  fp8 *x_f8_ = nullptr, *x_f8_t_ = nullptr, *w_f8_ = nullptr, *w_f8_t_ = nullptr, *g_f8_ = nullptr, *g_f8_t_ = nullptr;
+};
