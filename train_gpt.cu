@@ -12,6 +12,7 @@
 #include "kernels/device_comm.cuh"
 #include "kernels/embedding.cuh"
 #include "kernels/flash_attention.cuh"
+#include "kernels/fp8_head.cuh"
 #include "kernels/matmul.cuh"
 #include "kernels/muon.cuh"
 #include "kernels/norms.cuh"
@@ -670,6 +671,7 @@ struct Activations {
   float* delta;                // [H, T]
   float* reduction_scratch;    // per-block partial sums of the scalar gradients
   float* cos_sin;              // [T, 64, 2] rope table
+  std::unique_ptr<Fp8Head> fp8_head;  // training: the FP8 operands of one head chunk and of lm_head
 
   Activations(const GPTConfig& c, int T, bool backward, DeviceMemory& m)
       : max_T(T), for_backward(backward), layers(c.num_layers), dskip(c.num_skips()) {
@@ -691,6 +693,7 @@ struct Activations {
       du = m.alloc<bf16>("mlp gradient", tf);
       for (bf16*& b : dskip) b = m.alloc<bf16>("skip gradient", td);
       delta = m.alloc<float>("attention delta", size_t(T) * c.num_heads);
+      fp8_head = std::make_unique<Fp8Head>(std::min(T, kHeadChunkRows), c.vocab_size, c.model_dim);
     }
     reduction_scratch = m.alloc<float>("scalar-gradient partial sums", 2 * kScalarReductionBlocks);
     cos_sin = m.alloc<float>("rope table", size_t(T) * kRopeHeadDim);
@@ -871,22 +874,31 @@ class GPT {
 
   // Logits, softcapped cross-entropy and, for training, the head's backward, chunk by chunk:
   // dx_final (in a.dh) = dlogits W_head, dW_head += dlogits^T x_final. The FP8 head of SPEC 1.5
-  // replaces the bf16 products when training with fp8_head.
+  // (quantised from the fp32 master) replaces the bf16 products when training with fp8_head;
+  // evaluation is always bf16, as the reference.
   void head(bool backward, bool fp8_head) {
     Activations& a = *a_;
     const int d = c_.model_dim, V = c_.vocab_size;
-    if (fp8_head) throw std::logic_error("the FP8 head is not wired into the model yet");
-    const bf16* w = params.weight(ParamKind::lm_head, -1);
+    Fp8Head* fp8 = backward && fp8_head ? a.fp8_head.get() : nullptr;
+    const Param& head_param = params.find(ParamKind::lm_head, -1);
+    if (fp8) fp8->quantize_weight(params.master + head_param.offset, stream_);
+    const bf16* w = params.weights + head_param.offset;
+    float* dw = params.grads + head_param.offset;
     for (int r0 = 0; r0 < T_; r0 += kHeadChunkRows) {
       const int rows = std::min(kHeadChunkRows, T_ - r0);
-      const bf16* x = a.x_final + size_t(r0) * d;
-      matmul_(x, Transpose::N, w, Transpose::T, a.logits, rows, V, d, CUDA_R_16BF, stream_);
+      const bf16* x = a.x_final + size_t(r0) * d;  // [rows, d]
+      bf16* dx = a.dh + size_t(r0) * d;            // [rows, d]
+      if (fp8) fp8->forward(x, a.logits, rows, matmul_, stream_);
+      else matmul_(x, Transpose::N, w, Transpose::T, a.logits, rows, V, d, CUDA_R_16BF, stream_);
       softcap_cross_entropy(a.logits, a.targets + r0, a.losses + r0, rows, V, backward ? 1.0f : 0.0f, stream_,
                             c_.softcap());
       if (!backward) continue;
-      matmul_(a.logits, Transpose::N, w, Transpose::N, a.dh + size_t(r0) * d, rows, d, V, CUDA_R_16BF, stream_);
-      matmul_(a.logits, Transpose::T, x, Transpose::N, params.grad(ParamKind::lm_head, -1), V, d, rows, CUDA_R_32F,
-              stream_, 1.0f, 1.0f);
+      if (fp8) {
+        fp8->backward(a.logits, dx, dw, rows, matmul_, stream_);
+      } else {
+        matmul_(a.logits, Transpose::N, w, Transpose::N, dx, rows, d, V, CUDA_R_16BF, stream_);
+        matmul_(a.logits, Transpose::T, x, Transpose::N, dw, V, d, rows, CUDA_R_32F, stream_, 1.0f, 1.0f);
+      }
     }
   }
 
