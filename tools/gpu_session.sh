@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, in one call on the GPU machine (device time is scarce): build,
-# every gpu test (the smoke run of the trainer included), our kernel benchmark and PyTorch's beside
-# it; a short summary table last. Outputs go to $OUT (the device tool's folder) or ./gpu_session/.
-# Usage: tools/gpu_session.sh [--no-bench]
+# Everything a GPU session checks, on the GPU machine (device time is scarce), in phases that each
+# fit one device call (600 s): `build` (configure, build, the fast gpu tests and the cpu tests),
+# `slow` (the gpu tests labelled slow, side by side: minutes of CPU reference each), `bench` (our
+# kernel benchmark and PyTorch's beside it), or `all`. A later phase reuses build/ of an earlier
+# call while the machine stays warm (carry it otherwise). Outputs go to $OUT (the device tool's
+# folder) or ./gpu_session/; a short summary table comes last.
+# Usage: tools/gpu_session.sh [build|slow|bench|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_session}
@@ -19,16 +22,25 @@ step() {  # step <name> <command...>: runs it, keeps its output in $out/<name>.t
   return $rc
 }
 
-generator=()
-command -v ninja >/dev/null && generator=(-G Ninja)
-step configure cmake --preset release "${generator[@]}" || { printf '%s\n' "${status[@]}"; exit 1; }
-step build cmake --build build -j "$(nproc)" || { printf '%s\n' "${status[@]}"; exit 1; }
-step gpu_tests ctest --test-dir build -L gpu --output-on-failure --timeout 900
-step cpu_tests ctest --test-dir build -L cpu --timeout 900
-if [[ ${1:-} != --no-bench ]]; then
+phase=${1:-all}
+case $phase in build | slow | bench | all) ;; *) echo "usage: $0 [build|slow|bench|all]"; exit 2 ;; esac
+if [[ $phase == build || $phase == all ]]; then
+  generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  step configure cmake --preset release "${generator[@]}" || { printf '%s\n' "${status[@]}"; exit 1; }
+  step build cmake --build build -j "$(nproc)" || { printf '%s\n' "${status[@]}"; exit 1; }
+  step gpu_tests ctest --test-dir build -L gpu -LE slow --output-on-failure --timeout 900
+  step cpu_tests ctest --test-dir build -L cpu -j 8 --timeout 900
+fi
+if [[ $phase == slow || $phase == all ]]; then
+  step slow_gpu_tests ctest --test-dir build -L slow -j 3 --output-on-failure --timeout 900
+fi
+if [[ $phase == bench || $phase == all ]]; then
   step bench_kernels ./build/bench_kernels 20
   step bench_torch python3 tools/bench_torch.py --ours "$out/bench_kernels.txt"
 fi
 printf '\n| step | result | time |\n|---|---|---|\n'
 printf '%s\n' "${status[@]}"
-grep -hE "tests passed|tests failed|Passed|Failed|Skipped" "$out/gpu_tests.txt" | tail -20
+for log in "$out"/gpu_tests.txt "$out"/slow_gpu_tests.txt; do
+  [[ -f $log ]] && grep -hE "tests passed|tests failed|Passed|Failed|Skipped" "$log" | tail -20
+done
