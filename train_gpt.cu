@@ -671,9 +671,10 @@ struct Activations {
   float* delta;                // [H, T]
   float* reduction_scratch;    // per-block partial sums of the scalar gradients
   float* cos_sin;              // [T, 64, 2] rope table
-  std::unique_ptr<Fp8Head> fp8_head;  // training: the FP8 operands of one head chunk and of lm_head
+  std::unique_ptr<Fp8Head> fp8_head;  // the FP8 operands of one head chunk and of lm_head (or null)
 
-  Activations(const GPTConfig& c, int T, bool backward, DeviceMemory& m)
+  // fp8_head: training activations that also hold the FP8 head's operands (SPEC 1.5).
+  Activations(const GPTConfig& c, int T, bool backward, DeviceMemory& m, bool fp8_head = false)
       : max_T(T), for_backward(backward), layers(c.num_layers), dskip(c.num_skips()) {
     const size_t td = size_t(T) * c.model_dim, tf = size_t(T) * c.mlp_dim();
     inputs = m.alloc<uint16_t>("input tokens", T);
@@ -693,8 +694,8 @@ struct Activations {
       du = m.alloc<bf16>("mlp gradient", tf);
       for (bf16*& b : dskip) b = m.alloc<bf16>("skip gradient", td);
       delta = m.alloc<float>("attention delta", size_t(T) * c.num_heads);
-      fp8_head = std::make_unique<Fp8Head>(std::min(T, kHeadChunkRows), c.vocab_size, c.model_dim);
     }
+    if (backward && fp8_head) this->fp8_head = std::make_unique<Fp8Head>(std::min(T, kHeadChunkRows), c.vocab_size, c.model_dim);
     reduction_scratch = m.alloc<float>("scalar-gradient partial sums", 2 * kScalarReductionBlocks);
     cos_sin = m.alloc<float>("rope table", size_t(T) * kRopeHeadDim);
     std::vector<float> table;
@@ -797,6 +798,7 @@ class GPT {
     gradients_done_ = gradients_done ? gradients_done : [](int) {};
     gradients_done_(c_.num_layers);
     this->backward(plan);
+    gradients_done_ = [](int) {};  // the caller's hook may not outlive this call
   }
 
   // Spans of the forward, head and each block's backward go to this timeline (null: none).
@@ -880,6 +882,7 @@ class GPT {
     Activations& a = *a_;
     const int d = c_.model_dim, V = c_.vocab_size;
     Fp8Head* fp8 = backward && fp8_head ? a.fp8_head.get() : nullptr;
+    if (backward && fp8_head && !fp8) throw std::logic_error("FP8 head asked of activations built without it");
     const Param& head_param = params.find(ParamKind::lm_head, -1);
     if (fp8) fp8->quantize_weight(params.master + head_param.offset, stream_);
     const bf16* w = params.weights + head_param.offset;
@@ -1080,11 +1083,18 @@ class Optimizers {
   }
 
   // Before the step's backward: this rank will sum its gradients over local_micro_sequences; M,
-  // the global count the updates normalise by, is their SUM over the ranks (a host collective,
-  // taken while no reduction is in flight).
+  // the global count the updates normalise by, is their SUM over the ranks. Every rank's count is
+  // the same in every step (the batch plan is fixed), so the host collective runs at the first
+  // step only, on every rank alike.
   void begin_step(int local_micro_sequences) {
-    grad_scale_ = float(1.0 / global_micro_count(comm_, local_micro_sequences, h_.micro_batches));
-    if (injected_fault() == Fault::prescale_by_world) grad_scale_ /= float(comm_.world_size());
+    if (local_count_ < 0) {
+      local_count_ = local_micro_sequences;
+      grad_scale_ = float(1.0 / global_micro_count(comm_, local_micro_sequences, h_.micro_batches));
+      if (injected_fault() == Fault::prescale_by_world) grad_scale_ /= float(comm_.world_size());
+    }
+    if (local_micro_sequences != local_count_)
+      throw std::logic_error("rank " + std::to_string(comm_.rank()) + " has " + std::to_string(local_micro_sequences) +
+                             " micro-sequences in this step, " + std::to_string(local_count_) + " before");
     launched_ = 0;
     step_begun_ = true;
   }
@@ -1296,7 +1306,8 @@ class Optimizers {
   std::vector<size_t> launch_order_;     // into collectives_: by completion point (the head's first)
   size_t launched_ = 0;                  // reductions of this step issued, in launch order
   bool step_begun_ = false;
-  float grad_scale_ = 0;                 // 1 / M of this step
+  int local_count_ = -1;                 // this rank's micro-sequences per step (-1: no step yet)
+  float grad_scale_ = 0;                 // 1 / M
   bf16* traffic_ = nullptr;              // [2 * W * largest share] bf16 gradient traffic (one reduction at a time)
   cudaStream_t comm_stream_ = nullptr;
   cudaEvent_t backward_point_ = nullptr, gathered_ = nullptr;
@@ -1388,7 +1399,8 @@ inline double take_loss_total(const Activations& acts, cudaStream_t stream) {
 // The mean token loss over all ranks: the loss sums and the token counts are both SUMMED (a rank
 // may have no micro-sequence when W > M).
 inline double mean_over_ranks(DeviceCommunicator& comm, double loss_sum, double tokens) {
-  return comm.all_reduce_sum(loss_sum) / comm.all_reduce_sum(tokens);
+  const double all_losses = comm.all_reduce_sum(loss_sum);  // in this order on every rank
+  return all_losses / comm.all_reduce_sum(tokens);
 }
 
 // Mean validation token loss with the window of the current step: each rank sums the token losses
@@ -1519,6 +1531,19 @@ inline std::unique_ptr<ProgressWatchdog> start_watchdog(const Hyperparameters& h
   return watchdog;
 }
 
+// Shows the watchdog a communicator for as long as this lives: declared after it, so it is cleared
+// before the communicator goes, however the owner's construction or destruction ends.
+class WatchedCommunicator {
+ public:
+  WatchedCommunicator(std::atomic<DeviceCommunicator*>& slot, DeviceCommunicator* comm) : slot_(slot) { slot_ = comm; }
+  ~WatchedCommunicator() { slot_ = nullptr; }
+  WatchedCommunicator(const WatchedCommunicator&) = delete;
+  WatchedCommunicator& operator=(const WatchedCommunicator&) = delete;
+
+ private:
+  std::atomic<DeviceCommunicator*>& slot_;
+};
+
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
@@ -1526,11 +1551,11 @@ class TrainingRun {
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank, live_comm_)), comm_(connect_ranks(g)),
         model_(config_, memory_),
         optimizers_(h, model_.params, *comm_, memory_),
-        train_(config_, h.seq_len, /*backward=*/true, memory_), eval_(config_, h.val_seq_len, false, memory_),
+        train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head),
+        eval_(config_, h.val_seq_len, false, memory_),
         val_(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab),
         checksum_(memory_.alloc<unsigned long long>("parameter checksum", 1)),
         state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, *comm_)) {
-    live_comm_ = comm_.get();
     beat("initialisation");
     // Every rank initialises from rank 0's seed (52 bits: exact through the double all-reduce).
     uint64_t seed = comm_->rank() == 0 ? (h.seed ? h.seed : fresh_seed()) & ((uint64_t(1) << 52) - 1) : 0;
@@ -1545,7 +1570,6 @@ class TrainingRun {
     }
   }
 
-  ~TrainingRun() { live_comm_ = nullptr; }  // the watchdog outlives comm_ (a hang in its teardown only exits)
   TrainingRun(const TrainingRun&) = delete;
   TrainingRun& operator=(const TrainingRun&) = delete;
 
@@ -1665,9 +1689,10 @@ class TrainingRun {
   const Hyperparameters& h_;
   const Schedule schedule_;
   const GPTConfig config_;
-  std::atomic<DeviceCommunicator*> live_comm_{nullptr};  // what the watchdog aborts, once connected
+  std::atomic<DeviceCommunicator*> live_comm_{nullptr};  // what the watchdog aborts, while comm_ lives
   std::unique_ptr<ProgressWatchdog> watchdog_;            // before comm_: covers the rendezvous and its teardown
   std::unique_ptr<DeviceCommunicator> comm_;
+  WatchedCommunicator watched_comm_{live_comm_, comm_.get()};
   DeviceMemory memory_;
   GPT model_;
   Optimizers optimizers_;

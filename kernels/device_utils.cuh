@@ -134,12 +134,13 @@ class StagedUploads {
   // memory may be overwritten by the next copies once the stream reaches them.
   void reset(size_t bytes) {
     CUDA_CHECK(cudaEventSynchronize(copied_));
-    if (bytes > capacity_) {  // rare: the first micro-sequences, a longer sequence
+    if (bytes > capacity_) {  // rare: doubling, so a few times per run at most
+      const size_t grown = std::max(bytes, 2 * capacity_);
       CUDA_CHECK(cudaDeviceSynchronize());  // the old device memory may still be read
       release();
-      CUDA_CHECK(cudaMallocHost(&staging_, bytes));
-      CUDA_CHECK(cudaMalloc(&device_, bytes));
-      capacity_ = bytes;
+      CUDA_CHECK(cudaMallocHost(&staging_, grown));
+      CUDA_CHECK(cudaMalloc(&device_, grown));
+      capacity_ = grown;
     }
     used_ = 0;
   }

@@ -123,8 +123,8 @@ class Fp8Head {
   const Fp8HeadScales& scales() const { return scales_; }
   Fp8HeadOperands operands() const { return {x_f8_, x_f8_t_, w_f8_, w_f8_t_, g_f8_, g_f8_t_}; }
 
-  // Once per training step, after the optimizer: w_f8 [V, d] and its transpose from the fp32
-  // master w [V, d].
+  // Whenever the weights may have changed (the model does it before every training
+  // micro-sequence's head): w_f8 [V, d] and its transpose from the fp32 master w [V, d].
   void quantize_weight(const float* w, cudaStream_t stream) {
     require_aligned("w", w);
     fp8_quantize<Fp8Kind::e4m3>(w, w_f8_, w_f8_t_, V_, d_, scales_.w, stream);

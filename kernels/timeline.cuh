@@ -5,8 +5,10 @@
 #pragma once
 #include "kernels/cuda_check.cuh"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -33,23 +35,32 @@ class Timeline {
   // call on the stream, or write_chrome_trace, reports.
   void close(size_t span, cudaStream_t stream) noexcept { cudaEventRecord(spans_[span].end, stream); }
 
-  // Waits for the spans' work; times are microseconds from the first span's start.
+  // Waits for the spans' work; times are microseconds from the first span's start. Each lane is
+  // a thread of the process `process_id`, named by a metadata event.
   void write_chrome_trace(const std::string& path, int process_id) const {
     CUDA_CHECK(cudaDeviceSynchronize());
-    std::ofstream out(path);
-    if (!out) throw std::runtime_error("cannot write the timeline " + path);
-    out << "{\"traceEvents\": [\n";
-    for (size_t i = 0; i < spans_.size(); ++i) {
+    std::vector<std::string> lanes;
+    std::vector<std::string> events;
+    char line[512];
+    for (const Span& s : spans_) {
+      size_t lane = std::find(lanes.begin(), lanes.end(), s.lane) - lanes.begin();
+      if (lane == lanes.size()) {
+        lanes.push_back(s.lane);
+        std::snprintf(line, sizeof line,
+                      "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": %zu, \"args\": {\"name\": \"%s\"}}",
+                      process_id, lane, s.lane.c_str());
+        events.push_back(line);
+      }
       float start_ms = 0, length_ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&start_ms, spans_[0].start, spans_[i].start));
-      CUDA_CHECK(cudaEventElapsedTime(&length_ms, spans_[i].start, spans_[i].end));
-      char line[512];
-      std::snprintf(line, sizeof line,
-                    "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": \"%s\", \"ts\": %.1f, \"dur\": %.1f}%s\n",
-                    spans_[i].name.c_str(), process_id, spans_[i].lane.c_str(), 1000.0 * start_ms,
-                    1000.0 * length_ms, i + 1 < spans_.size() ? "," : "");
-      out << line;
+      CUDA_CHECK(cudaEventElapsedTime(&start_ms, spans_[0].start, s.start));
+      CUDA_CHECK(cudaEventElapsedTime(&length_ms, s.start, s.end));
+      std::snprintf(line, sizeof line, "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %zu, \"ts\": %.1f, \"dur\": %.1f}",
+                    s.name.c_str(), process_id, lane, 1000.0 * start_ms, 1000.0 * length_ms);
+      events.push_back(line);
     }
+    std::ofstream out(path);
+    out << "{\"traceEvents\": [\n";
+    for (size_t i = 0; i < events.size(); ++i) out << events[i] << (i + 1 < events.size() ? ",\n" : "\n");
     out << "]}\n";
     if (!out.flush()) throw std::runtime_error("cannot write the timeline " + path);
   }

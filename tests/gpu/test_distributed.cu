@@ -10,6 +10,8 @@
 // oracle covers that schedule too, including ranks that have no micro-sequence (W > M).
 #include "gpu/model_fixture.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -186,46 +188,39 @@ TEST_CASE("the rank consistency check stops every rank and names the parameter t
 }
 
 TEST_CASE("a traced step shows the reductions going out during the last micro-sequence's backward") {
+  // One rank: its communication stream does nothing but follow the backward's completion points,
+  // so where each reduction starts shows the launch schedule without another rank's timing.
   Hyperparameters h;
   h.num_iterations = kSteps;
   h.micro_batches = kMicro;
   h.seq_len = kT;
   const Schedule schedule = schedule_of(h);
-  const std::string dir = (std::filesystem::temp_directory_path() / "speedrun_timeline_test").string();
-  std::filesystem::create_directories(dir);
-  SimulatedDeviceWorld(2).run([&](DeviceCommunicator& comm) {
-    DeviceMemory memory;
-    GPT model(gpu_config(), memory);
-    Optimizers optimizers(h, model.params, comm, memory);
-    Activations acts(model.config(), kT, /*backward=*/true, memory);
-    initialize_parameters(model.config(), model.params, 3);
-    Timeline timeline;
-    model.set_timeline(&timeline);
-    optimizers.set_timeline(&timeline);
-    HostBatch host(token_stream().data(), kMicro, kT, 0, comm.rank(), comm.world_size());
-    cudaStream_t s;  // each rank its own stream, as train_ranks
-    CUDA_CHECK(cudaStreamCreate(&s));
-    train_step(model, acts, optimizers, host.batch, 0, schedule, /*fp8_head=*/false, s);
-    CUDA_CHECK(cudaStreamDestroy(s));
-    timeline.write_chrome_trace(dir + "/rank" + std::to_string(comm.rank()) + ".json", comm.rank());
-  });
-  for (int rank = 0; rank < 2; ++rank) {
-    const std::string path = dir + "/rank" + std::to_string(rank) + ".json";
-    std::vector<double> last_block0 = span_starts(path, "backward block 0");
-    std::vector<double> head_reduce = span_starts(path, "reduce lm_head.weight");
-    std::vector<double> late_chunk = span_starts(path, "reduce blocks.10.mlp.c_fc.weight chunk");
-    std::vector<double> embed_reduce = span_starts(path, "reduce embed.weight");
-    CHECK(last_block0.size() == size_t(kMicro / 2) && head_reduce.size() == 1 && late_chunk.size() == 1 &&
-          embed_reduce.size() == 1);
-    if (last_block0.empty() || head_reduce.empty() || late_chunk.empty() || embed_reduce.empty()) continue;
-    std::printf("  rank %d: last backward of block 0 starts at %.0f us; reductions of lm_head at %.0f us, of the "
-                "blocks 10-11 c_fc chunk at %.0f us, of embed at %.0f us\n",
-                rank, last_block0.back(), head_reduce[0], late_chunk[0], embed_reduce[0]);
-    CHECK(head_reduce[0] < late_chunk[0]);
-    CHECK(late_chunk[0] < last_block0.back());  // hidden under the backward of the earlier blocks
-    CHECK(embed_reduce[0] > last_block0.back());
-  }
-  std::filesystem::remove_all(dir);
+  DeviceMemory memory;
+  GPT model(gpu_config(), memory);
+  SingleRankCommunicator comm;
+  Optimizers optimizers(h, model.params, comm, memory);
+  Activations acts(model.config(), kT, /*backward=*/true, memory);
+  initialize_parameters(model.config(), model.params, 3);
+  Timeline timeline;
+  model.set_timeline(&timeline);
+  optimizers.set_timeline(&timeline);
+  HostBatch host(token_stream().data(), kMicro, kT, 0);
+  train_step(model, acts, optimizers, host.batch, 0, schedule, /*fp8_head=*/false, 0);
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("speedrun_timeline_" + std::to_string(getpid()) + ".json")).string();
+  timeline.write_chrome_trace(path, 0);
+  std::vector<double> block0 = span_starts(path, "backward block 0");
+  std::vector<double> head_reduce = span_starts(path, "reduce lm_head.weight");
+  std::vector<double> late_chunk = span_starts(path, "reduce blocks.10.mlp.c_fc.weight chunk");
+  std::vector<double> embed_reduce = span_starts(path, "reduce embed.weight");
+  std::filesystem::remove(path);
+  CHECK(block0.size() == size_t(kMicro) && head_reduce.size() == 1 && late_chunk.size() == 1 && embed_reduce.size() == 1);
+  if (block0.empty() || head_reduce.empty() || late_chunk.empty() || embed_reduce.empty()) return;
+  std::printf("  last backward of block 0 starts at %.0f us; reductions: lm_head at %.0f us, blocks.10 c_fc at %.0f us, "
+              "embed at %.0f us\n", block0.back(), head_reduce[0], late_chunk[0], embed_reduce[0]);
+  CHECK(head_reduce[0] < late_chunk[0]);
+  CHECK(late_chunk[0] < block0.back());  // hidden under the backward of the earlier blocks
+  CHECK(embed_reduce[0] > block0.back());
 }
 
 int main() { return run_gpu_checks(); }

@@ -33,7 +33,7 @@ void check_against_reference(bool fp8_head, double loss_bound, double grad_bound
   rc.fp8_head = fp8_head;
   DeviceMemory memory;
   GPT model(gpu_config(), memory);
-  Activations acts(model.config(), kT, /*backward=*/true, memory);
+  Activations acts(model.config(), kT, /*backward=*/true, memory, fp8_head);
   Tensors w = load_weights(rc, model, 7);
   std::vector<uint16_t> tokens = synthetic_tokens(kT + 1, rc.vocab_size, rc.bos_token, 1.0 / 150, 8);
   tokens[0] = rc.bos_token;
