@@ -47,8 +47,11 @@ Snapshot snapshot(const ParameterStore& params, Optimizers& optimizers) {
   return s;
 }
 
+enum class Backend { simulated, nccl };  // W = 1 without NCCL is SingleRankCommunicator
+
 // Every rank trains K steps on its micro-sequences of the same global batches; returns each rank's snapshot.
-std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, const std::vector<uint16_t>& stream) {
+std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, const std::vector<uint16_t>& stream,
+                                  Backend backend = Backend::simulated) {
   Hyperparameters h;
   h.num_iterations = kSteps;
   h.micro_batches = kMicro;
@@ -75,7 +78,13 @@ std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, 
     result[comm.rank()] = snapshot(model.params, optimizers);
     result[comm.rank()]["mean loss of the last step"] = {mean_loss};
   };
-  if (world_size == 1) {
+  if (backend == Backend::nccl) {
+    if (world_size != 1) throw std::invalid_argument("one GPU holds one NCCL rank");
+    ncclUniqueId id;
+    NCCL_CHECK(ncclGetUniqueId(&id));
+    NcclCommunicator nccl(0, 1, id);
+    per_rank(nccl);
+  } else if (world_size == 1) {
     SingleRankCommunicator single;
     per_rank(single);
   } else {
@@ -135,6 +144,16 @@ TEST_CASE("W = 2, 3, 4, 8 simulated ranks reproduce W = 1: parameters and optimi
       std::printf("  %-12s W = %d: worst relative error %.3e (%s), bound %.0e\n", mode, W, error, where.c_str(), bound);
       CHECK(error <= bound);
     }
+}
+
+TEST_CASE("real NCCL with one rank runs the same steps as W = 1 without communication, bitwise") {
+  for (const char* mode : {"fp32-rs", "bf16-rs", "a2a-fp32acc"}) {  // the bf16 modes round at W = 1 too
+    std::string where;
+    const Snapshot alone = train_ranks(1, mode, token_stream())[0];
+    double error = worst_error(alone, train_ranks(1, mode, token_stream(), Backend::nccl), where);
+    std::printf("  %-12s NCCL W = 1: worst relative error %.3e (%s)\n", mode, error, where.c_str());
+    CHECK(error == 0);
+  }
 }
 
 TEST_CASE("W = 16 > M = 8: ranks without a micro-sequence take part in every collective and in the mean loss") {
