@@ -79,6 +79,7 @@ struct Hyperparameters {
   std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
   int stall_timeout = 600;          // seconds without progress after which a rank aborts (0: never)
+  bool nccl_single_rank = false;    // one rank through NCCL anyway (to measure what NCCL costs)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -145,6 +146,8 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"stall-timeout", &h.stall_timeout,
        "seconds without progress (a hung collective) after which a rank aborts and exits 75 (0: never)",
        non_negative(&h.stall_timeout), "non-negative"},
+      {"nccl-single-rank", &h.nccl_single_rank, "with one rank, communicate through NCCL anyway (measures its cost)",
+       nullptr, ""},
   };
 }
 
@@ -1498,10 +1501,15 @@ inline std::string console_step_line(const std::string& log_line, double loss, d
   return log_line + extra;
 }
 
-// This process's communicator: alone, or rank g.rank of an NCCL world whose id came over TCP from rank 0.
-inline std::unique_ptr<DeviceCommunicator> connect_ranks(const ProcessGroupEnv& g) {
-  if (g.world_size == 1) return std::make_unique<SingleRankCommunicator>();
+// This process's communicator: alone, or rank g.rank of an NCCL world whose id came over TCP from
+// rank 0 (a world of one with nccl_single_rank).
+inline std::unique_ptr<DeviceCommunicator> connect_ranks(const ProcessGroupEnv& g, bool nccl_single_rank) {
   ncclUniqueId id{};
+  if (g.world_size == 1) {
+    if (!nccl_single_rank) return std::make_unique<SingleRankCommunicator>();
+    NCCL_CHECK(ncclGetUniqueId(&id));
+    return std::make_unique<NcclCommunicator>(0, 1, id);
+  }
   if (g.rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
   UniqueIdBytes bytes;
   static_assert(sizeof id == sizeof bytes, "NCCL's unique id is 128 bytes");
@@ -1548,7 +1556,7 @@ class WatchedCommunicator {
 class TrainingRun {
  public:
   TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g)
-      : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank, live_comm_)), comm_(connect_ranks(g)),
+      : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank, live_comm_)), comm_(connect_ranks(g, h.nccl_single_rank)),
         model_(config_, memory_),
         optimizers_(h, model_.params, *comm_, memory_),
         train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head),

@@ -3,8 +3,9 @@
 # validation tokens, FineWeb's format), for the GPU machine, where ../shared does not exist:
 #   tools/corpus_run.sh stage       here: copy the compressed shards into .carry/corpus/ (ignored by
 #                                   git); send them with the device tool's carry: [".carry"]
-#   tools/corpus_run.sh steps [K]   there: step time of M = 1 and M = 8 over the window schedule
-#                                   of a K-step run (default 20), tokens/s and MFU, as a table
+#   tools/corpus_run.sh steps [K]   there: step time of M = 1 and M = 8 (and M = 8 through a
+#                                   one-rank NCCL communicator) over the window schedule of a K-step
+#                                   run (default 20), tokens/s and MFU, as a table
 #   tools/corpus_run.sh full [N]    there: N (default 1) runs of the recipe on one GPU as the issue
 #                                   asks: M = 1, 860 iterations, validation of 10,485,760 tokens every
 #                                   125 steps; logs in logs/ (and $OUT/logs when set), then their
@@ -36,19 +37,22 @@ mean_step_ms() {
 steps() {
   local K=${1:-20} work
   work=$(mktemp -d)
-  printf '| M | tokens/step | mean step (ms) | tokens/s | MFU (6N, vs 989 TFLOP/s) |\n|---|---|---|---|---|\n'
-  for M in 1 8; do
+  printf '| M | communicator | tokens/step | mean step (ms) | tokens/s | MFU (6N, vs 989 TFLOP/s) |\n|---|---|---|---|---|---|\n'
+  for run in "1 none" "8 none" "8 nccl"; do
+    local M=${run% *} comm=${run#* } name="M${run% *}_${run#* }" extra=()
+    [[ $comm == nccl ]] && extra=(--nccl-single-rank)
     "$trainer" "${data_flags[@]}" --micro-batches "$M" --num-iterations "$K" --val-every 0 --val-tokens 262144 \
-      --warmup-steps 3 --log-dir "$work/logs_M$M" --checkpoint-dir "$work/checkpoints" >"$work/console_M$M.txt"
+      --warmup-steps 3 --log-dir "$work/logs_$name" --checkpoint-dir "$work/checkpoints" "${extra[@]}" \
+      >"$work/console_$name.txt"
     local ms tokens
-    ms=$(mean_step_ms "$(ls "$work/logs_M$M"/*.txt)")
+    ms=$(mean_step_ms "$(ls "$work/logs_$name"/*.txt)")
     tokens=$((M * 49152))
     # MFU of the console lines scales with tokens/s: take the ratio from the last one
-    awk -v m="$M" -v t="$tokens" -v ms="$ms" -v last="$(grep -E 'tok/s:' "$work/console_M$M.txt" | tail -1)" 'BEGIN {
+    awk -v m="$M" -v c="$comm" -v t="$tokens" -v ms="$ms" -v last="$(grep -E 'tok/s:' "$work/console_$name.txt" | tail -1)" 'BEGIN {
       match(last, /tok\/s:[0-9.]+/); tps = substr(last, RSTART + 6, RLENGTH - 6)
       match(last, /mfu:[0-9.]+/); mfu = substr(last, RSTART + 4, RLENGTH - 4)
       rate = t / (ms / 1000)
-      printf "| %d | %d | %.1f | %.0f | %.1f%% |\n", m, t, ms, rate, mfu * rate / tps }'
+      printf "| %d | %s | %d | %.1f | %.0f | %.1f%% |\n", m, c, t, ms, rate, mfu * rate / tps }'
   done
   rm -rf "$work"
 }
@@ -75,5 +79,5 @@ case ${1:-} in
     ;;
   steps) unpack && steps "${2:-20}" ;;
   full) unpack && full "${2:-1}" ;;
-  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
+  *) sed -n "2,14p" "$0" >&2; exit 2 ;;
 esac
