@@ -61,6 +61,28 @@ inline std::vector<double> download_grad(const ParameterStore& s, const Param& p
   return std::vector<double>(g.begin(), g.end());
 }
 
+// A run of `steps` steps of M micro-sequences of T tokens; every schedule (lr cooldown, window
+// growth) happens within those steps.
+inline Hyperparameters test_hyperparameters(int steps, int micro_batches, int T) {
+  Hyperparameters h;
+  h.num_iterations = steps;
+  h.micro_batches = micro_batches;
+  h.seq_len = T;
+  return h;
+}
+
+// One rank of the trainer at the fixture's shape: the model, its optimizers over `comm`, and
+// training activations for micro-sequences of h.seq_len tokens.
+struct RankTrainer {
+  DeviceMemory memory;
+  GPT model;
+  Optimizers optimizers;
+  Activations acts;
+  RankTrainer(const Hyperparameters& h, DeviceCommunicator& comm)
+      : model(gpu_config(), memory), optimizers(h, model.params, comm, memory),
+        acts(model.config(), h.seq_len, /*backward=*/true, memory) {}
+};
+
 // One rank's share of a step's global window in the loader's layout: micro-sequences j = rank,
 // rank + W, ... (SPEC 4.1), each T + 1 tokens, back to back.
 struct HostBatch {

@@ -52,30 +52,24 @@ enum class Backend { simulated, nccl };  // W = 1 without NCCL is SingleRankComm
 // Every rank trains K steps on its micro-sequences of the same global batches; returns each rank's snapshot.
 std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, const std::vector<uint16_t>& stream,
                                   Backend backend = Backend::simulated) {
-  Hyperparameters h;
-  h.num_iterations = kSteps;
-  h.micro_batches = kMicro;
-  h.seq_len = kT;
+  Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
   h.grad_comm = grad_comm;
   const Schedule schedule = schedule_of(h);
   std::vector<Snapshot> result(world_size);
   auto per_rank = [&](DeviceCommunicator& comm) {
-    DeviceMemory memory;
-    GPT model(gpu_config(), memory);
-    Optimizers optimizers(h, model.params, comm, memory);
-    Activations acts(model.config(), kT, /*backward=*/true, memory);
-    initialize_parameters(model.config(), model.params, 77);  // identical on every rank
+    RankTrainer t(h, comm);
+    initialize_parameters(t.model.config(), t.model.params, 77);  // identical on every rank
     cudaStream_t s;  // blocking: ordered after the initialisation's copies on the default stream
     CUDA_CHECK(cudaStreamCreate(&s));
     double mean_loss = 0;
     for (int step = 0; step < kSteps; ++step) {
       HostBatch host(stream.data() + size_t(step) * kMicro * kT, kMicro, kT, step, comm.rank(), comm.world_size());
-      double loss_sum = train_step(model, acts, optimizers, host.batch, step, schedule, /*fp8_head=*/false, s);
+      double loss_sum = train_step(t.model, t.acts, t.optimizers, host.batch, step, schedule, /*fp8_head=*/false, s);
       mean_loss = mean_over_ranks(comm, loss_sum, double(host.batch.num_micro) * kT);
     }
     CUDA_CHECK(cudaStreamSynchronize(s));
     CUDA_CHECK(cudaStreamDestroy(s));
-    result[comm.rank()] = snapshot(model.params, optimizers);
+    result[comm.rank()] = snapshot(t.model.params, t.optimizers);
     result[comm.rank()]["mean loss of the last step"] = {mean_loss};
   };
   if (backend == Backend::nccl) {
@@ -209,22 +203,15 @@ TEST_CASE("the rank consistency check stops every rank and names the parameter t
 TEST_CASE("a traced step shows the reductions going out during the last micro-sequence's backward") {
   // One rank: its communication stream does nothing but follow the backward's completion points,
   // so where each reduction starts shows the launch schedule without another rank's timing.
-  Hyperparameters h;
-  h.num_iterations = kSteps;
-  h.micro_batches = kMicro;
-  h.seq_len = kT;
-  const Schedule schedule = schedule_of(h);
-  DeviceMemory memory;
-  GPT model(gpu_config(), memory);
+  Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
   SingleRankCommunicator comm;
-  Optimizers optimizers(h, model.params, comm, memory);
-  Activations acts(model.config(), kT, /*backward=*/true, memory);
-  initialize_parameters(model.config(), model.params, 3);
+  RankTrainer t(h, comm);
+  initialize_parameters(t.model.config(), t.model.params, 3);
   Timeline timeline;
-  model.set_timeline(&timeline);
-  optimizers.set_timeline(&timeline);
+  t.model.set_timeline(&timeline);
+  t.optimizers.set_timeline(&timeline);
   HostBatch host(token_stream().data(), kMicro, kT, 0);
-  train_step(model, acts, optimizers, host.batch, 0, schedule, /*fp8_head=*/false, 0);
+  train_step(t.model, t.acts, t.optimizers, host.batch, 0, schedule_of(h), /*fp8_head=*/false, 0);
   const std::string path =
       (std::filesystem::temp_directory_path() / ("speedrun_timeline_" + std::to_string(getpid()) + ".json")).string();
   timeline.write_chrome_trace(path, 0);

@@ -19,14 +19,6 @@ using namespace fixture;
 
 constexpr int kT = 512, kMicro = 2, kSteps = 3;
 
-Hyperparameters test_hyperparameters(int micro_batches) {
-  Hyperparameters h;
-  h.num_iterations = kSteps;  // the lr cooldown and the window growth both happen within K steps
-  h.micro_batches = micro_batches;
-  h.seq_len = kT;
-  return h;
-}
-
 RecipeConfig reference_recipe(const Hyperparameters& h) {
   return {reference_config(), schedule_of(h), AdamConfig{}, MuonConfig{}};
 }
@@ -79,7 +71,7 @@ void upload_grad(const ParameterStore& s, const Param& p, const std::vector<doub
 }  // namespace
 
 TEST_CASE("one optimizer step on identical gradients equals the reference's Adam and Muon") {
-  Hyperparameters h = test_hyperparameters(kMicro);
+  Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
   RecipeConfig recipe = reference_recipe(h);
   DeviceMemory memory;
   GPT model(gpu_config(), memory);
@@ -100,21 +92,19 @@ TEST_CASE("one optimizer step on identical gradients equals the reference's Adam
 }
 
 TEST_CASE("K training steps from identical weights follow the reference recipe") {
-  Hyperparameters h = test_hyperparameters(kMicro);
+  Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
   RecipeConfig recipe = reference_recipe(h);
   const Schedule schedule = schedule_of(h);
-  DeviceMemory memory;
-  GPT model(gpu_config(), memory);
   SingleRankCommunicator comm;
-  Optimizers optimizers(h, model.params, comm, memory);
-  Activations acts(model.config(), kT, /*backward=*/true, memory);
+  RankTrainer trainer(h, comm);
+  GPT& model = trainer.model;
   Tensors initial = load_weights(recipe.model, model, 22);
   ReferenceState<double> reference(recipe.model, initial);
   std::vector<uint16_t> stream = token_stream(kMicro, kT, 23);
   for (int step = 0; step < kSteps; ++step) {
     const uint16_t* window = stream.data() + size_t(step) * kMicro * kT;
     HostBatch host(window, kMicro, kT, step);
-    double loss = train_step(model, acts, optimizers, host.batch, step, schedule, /*fp8_head=*/false, 0) /
+    double loss = train_step(model, trainer.acts, trainer.optimizers, host.batch, step, schedule, /*fp8_head=*/false, 0) /
                   (double(kMicro) * kT);
     double reference_loss = reference_train_step(recipe, step, {window, kT, kMicro}, reference) / kT;
     std::printf("  step %d: loss gpu %.6f reference %.6f\n", step, loss, reference_loss);
@@ -151,7 +141,7 @@ TEST_CASE("M = 8 micro-sequences give the gradients of M = 1 over their concaten
 }
 
 TEST_CASE("resuming from a checkpoint gives bitwise the run that did not stop") {
-  Hyperparameters h = test_hyperparameters(kMicro);
+  Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
   const Schedule schedule = schedule_of(h);
   const GPTConfig config = gpu_config();
   std::vector<uint16_t> stream = token_stream(kMicro, kT, 41);
