@@ -1051,7 +1051,8 @@ class Optimizers {
  public:
   Optimizers(const Hyperparameters& h, const ParameterStore& params, DeviceCommunicator& comm, DeviceMemory& memory)
       : h_(h), schedule_(schedule_of(h)), params_(params), comm_(comm), grad_comm_(parse_grad_comm(h.grad_comm)),
-        plan_(shard_plan_of(params.list, comm.world_size())), muon_workspace_(largest_muon_matrix()) {
+        plan_(shard_plan_of(params.list, comm.world_size())),
+        muon_workspace_(largest_muon_matrix(), largest_muon_batch()), group_members_(plan_.muon.size()) {
     for (const AdamShard& s : plan_.adam) add_adam(s, memory);
     for (const MuonGroup& g : plan_.muon)
       for (const MuonChunk& c : g.chunks) add_muon(g, c, memory);
@@ -1059,6 +1060,8 @@ class Optimizers {
     std::stable_sort(launch_order_.begin(), launch_order_.end(), [&](size_t a, size_t b) {
       return collectives_[a].complete_after > collectives_[b].complete_after;
     });
+    for (size_t i : launch_order_)  // a group's members in launch order; its last one updates the group
+      if (collectives_[i].group) group_members_[group_index(collectives_[i])].push_back(i);
     size_t largest = 0;
     for (const Collective& c : collectives_) largest = std::max(largest, c.share);
     traffic_ = memory.alloc<bf16>("bf16 gradient traffic scratch", 2 * size_t(comm.world_size()) * largest);
@@ -1127,14 +1130,21 @@ class Optimizers {
     for (size_t i : launch_order_) {
       Collective& c = collectives_[i];
       CUDA_CHECK(cudaStreamWaitEvent(stream, c.reduced, 0));
+      // A Muon group updates once, its Newton-Schulz batched over all its matrices of this rank,
+      // when its last reduction is in; every member's gather follows.
+      if (c.group && group_members_[group_index(c)].back() != i) continue;
       {
-        TimelineSpan span(timeline_, "compute", "update " + c.name, stream);
-        update(c, step, grad_scale_, stream);
+        TimelineSpan span(timeline_, "compute", "update " + update_name(c), stream);
+        if (c.adam) adam_update_share(c, step, grad_scale_, stream);
+        else update_muon_group(group_index(c), step, grad_scale_, stream);
       }
       CUDA_CHECK(cudaEventRecord(c.updated, stream));
       CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, c.updated, 0));
-      TimelineSpan span(timeline_, "communication", "gather " + c.name, comm_stream_);
-      if (!(c.chunk && injected_fault() == Fault::skip_all_gather)) gather(c, comm_stream_);
+      for (size_t m : c.group ? group_members_[group_index(c)] : std::vector<size_t>{i}) {
+        const Collective& done = collectives_[m];
+        TimelineSpan span(timeline_, "communication", "gather " + done.name, comm_stream_);
+        if (!(done.chunk && injected_fault() == Fault::skip_all_gather)) gather(done, comm_stream_);
+      }
     }
     CUDA_CHECK(cudaEventRecord(gathered_, comm_stream_));
     CUDA_CHECK(cudaStreamWaitEvent(stream, gathered_, 0));
@@ -1232,10 +1242,28 @@ class Optimizers {
     add_collective(c, memory, first.name + " and its chunk");
   }
 
+  // One Newton-Schulz matrix [rows, cols] of a group: qkv_w [3, d, d] holds three.
+  static int64_t newton_schulz_elems(const MuonGroup& g) {
+    return g.shape[g.shape.size() - 2] * g.shape.back();
+  }
   size_t largest_muon_matrix() const {
     size_t largest = 0;
-    for (const MuonGroup& g : plan_.muon) largest = std::max(largest, size_t(g.matrix_elems()));
+    for (const MuonGroup& g : plan_.muon) largest = std::max(largest, size_t(newton_schulz_elems(g)));
     return largest;
+  }
+  // The most Newton-Schulz matrices this rank orthogonalises in one group.
+  int largest_muon_batch() const {
+    int largest = 0;
+    for (const MuonGroup& g : plan_.muon) {
+      int mine = 0;
+      for (const MuonChunk& c : g.chunks) mine += c.owner_param[comm_.rank()] >= 0;
+      largest = std::max(largest, mine * int(g.matrix_elems() / newton_schulz_elems(g)));
+    }
+    return largest;
+  }
+  size_t group_index(const Collective& c) const { return size_t(c.group - plan_.muon.data()); }
+  std::string update_name(const Collective& c) const {
+    return c.adam ? c.name : "Muon group of " + params_.list[c.group->params[0]].name;
   }
 
   // The rank's summed share lands in place, at send + rank * share.
@@ -1250,14 +1278,21 @@ class Optimizers {
     reduce_scatter_grads(comm_, grad_comm_, send, c.grad, c.share, traffic_, stream);
   }
 
-  void update(const Collective& c, int step, float grad_scale, cudaStream_t stream) {
-    if (c.adam) return adam_update_share(c, step, grad_scale, stream);
-    if (!c.state_m) return;  // no matrix of this chunk on this rank
-    const int rows = int(c.group->shape[c.group->shape.size() - 2]), cols = int(c.group->shape.back());
-    float* mine = params_.master + params_.list[c.chunk->owner_param[comm_.rank()]].offset;
+  // Every matrix of group `g` that this rank owns (one per chunk, at most), in one batched update.
+  void update_muon_group(size_t g, int step, float grad_scale, cudaStream_t stream) {
+    const MuonGroup& group = plan_.muon[g];
+    const int rows = int(group.shape[group.shape.size() - 2]), cols = int(group.shape.back());
+    const size_t n = size_t(newton_schulz_elems(group));
+    std::vector<MuonMatrix> mine;
+    for (size_t m : group_members_[g]) {
+      const Collective& c = collectives_[m];
+      if (!c.state_m) continue;  // no matrix of this chunk on this rank
+      float* p = params_.master + params_.list[c.chunk->owner_param[comm_.rank()]].offset;
+      for (size_t k = 0; k < c.share / n; ++k)
+        mine.push_back({p + k * n, c.grad + k * n, static_cast<float*>(c.state_m) + k * n});
+    }
     MuonStep s{float(h_.muon_lr * schedule_.lr_factor(step)), float(schedule_.muon_momentum(step)), grad_scale};
-    muon_update(mine, c.grad, static_cast<float*>(c.state_m), int(c.share / (size_t(rows) * cols)), rows, cols, s,
-                muon_workspace_, matmul_, stream);
+    muon_update(mine, rows, cols, s, muon_workspace_, matmul_, stream);
   }
 
   void adam_update_share(const Collective& c, int step, float grad_scale, cudaStream_t stream) {
@@ -1304,6 +1339,7 @@ class Optimizers {
   GradComm grad_comm_;
   ShardPlan plan_;
   MuonWorkspace muon_workspace_;
+  std::vector<std::vector<size_t>> group_members_;  // [Muon group] its collectives, in launch order
   Matmul matmul_;
   std::vector<Collective> collectives_;  // Adam parameters, then Muon chunks, in plan order
   std::vector<size_t> launch_order_;     // into collectives_: by completion point (the head's first)

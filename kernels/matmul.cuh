@@ -8,6 +8,7 @@
 #pragma once
 #include "kernels/cuda_check.cuh"
 
+#include <cstdint>
 #include <map>
 #include <stdexcept>
 #include <tuple>
@@ -19,11 +20,19 @@ enum class Transpose { N, T };
 // means 1), and Hopper's fast FP8 accumulation (no periodic promotion to fp32: faster, less exact).
 // cuBLASLt's FP8 kernels want both operands K-contiguous: A stored [M, K] (N), B stored [N, K] (T),
 // and M, N, K multiples of 16.
+// A strided batch: `count` products, the i-th at A + i stride_a, B + i stride_b, C + i stride_c
+// (elements).
+struct MatmulBatch {
+  int count = 1;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+};
+
 struct MatmulOptions {
   cudaDataType_t a_type = CUDA_R_16BF, b_type = CUDA_R_16BF;
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
   bool fast_accum = false;
+  MatmulBatch batch;
 };
 
 inline bool is_fp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
@@ -56,7 +65,8 @@ class Matmul {
                   float beta = 0.0f) {
     if (!is_fp8(o.a_type) && (o.a_scale || o.b_scale)) throw std::invalid_argument("scales are for FP8 operands");
     const Plan& plan = plan_for({M, N, K, ta == Transpose::T, tb == Transpose::T, c_type, o.a_type, o.b_type,
-                                 o.fast_accum}, o);
+                                 o.fast_accum, o.batch.count, o.batch.stride_a, o.batch.stride_b, o.batch.stride_c},
+                                o);
     if (is_fp8(o.a_type)) set_scales(plan, o);  // the plan may have been made with other scale buffers
     // cuBLASLt is column-major: compute C^T[N, M] = op(B)^T op(A)^T, i.e. B first.
     CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, B, plan.b, A, plan.a, &beta, C, plan.c, C, plan.c,
@@ -64,8 +74,9 @@ class Matmul {
   }
 
  private:
-  // M, N, K, transA, transB, C type, A type, B type, fast accumulation
-  using Key = std::tuple<int, int, int, bool, bool, cudaDataType_t, cudaDataType_t, cudaDataType_t, bool>;
+  // M, N, K, transA, transB, C type, A type, B type, fast accumulation, batch count and strides
+  using Key = std::tuple<int, int, int, bool, bool, cudaDataType_t, cudaDataType_t, cudaDataType_t, bool, int, int64_t,
+                         int64_t, int64_t>;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
@@ -75,7 +86,7 @@ class Matmul {
   const Plan& plan_for(const Key& key, const MatmulOptions& o) {
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second;
-    auto [M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum] = key;
+    auto [M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum, batch, stride_a, stride_b, stride_c] = key;
     check_types(M, N, K, trans_a, trans_b, a_type, b_type, fast_accum);
     Plan p;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -92,6 +103,11 @@ class Matmul {
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, b_type, trans_b ? K : N, trans_b ? N : K, trans_b ? K : N));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, a_type, trans_a ? M : K, trans_a ? K : M, trans_a ? M : K));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_type, N, M, N));
+    if (batch > 1) {
+      set_batch(p.a, batch, stride_a);
+      set_batch(p.b, batch, stride_b);
+      set_batch(p.c, batch, stride_c);
+    }
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -124,6 +140,12 @@ class Matmul {
     if (M % 16 || N % 16 || K % 16)
       throw std::invalid_argument("FP8 matmul " + std::to_string(M) + "x" + std::to_string(N) + "x" +
                                   std::to_string(K) + ": every dimension must be a multiple of 16");
+  }
+
+  static void set_batch(cublasLtMatrixLayout_t layout, int count, int64_t stride) {
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                  sizeof(stride)));
   }
 
   // The column-major call's A is our B and its B our A, so the scales swap too.

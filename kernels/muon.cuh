@@ -1,14 +1,18 @@
-// Muon on the GPU (SPEC 1.9) for `batch` matrices [rows, cols] stored back to back (qkv_w
-// [3, 768, 768] is three): momentum with the Nesterov form, the quintic Newton-Schulz iteration in
-// bf16 with fp32 accumulation (cuBLASLt), and the update scaled by max(1, rows/cols)^0.5. A wide
-// matrix is iterated as it is, a tall one as its transpose (the small Gram matrix X X^T).
+// Muon on the GPU (SPEC 1.9) for a batch of matrices [rows, cols] of one shape group, each at its
+// own addresses (qkv_w [3, 768, 768] is three): momentum with the Nesterov form, the quintic
+// Newton-Schulz iteration in bf16 with fp32 accumulation, batched over the group through
+// cuBLASLt's strided batches, and the update scaled by max(1, rows/cols)^0.5. A wide matrix is
+// iterated as it is, a tall one as its transpose (the small Gram matrix X X^T).
 #pragma once
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/matmul.cuh"
 
+#include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 struct MuonStep {
   float lr;          // learning rate of this step (schedule applied)
@@ -19,23 +23,44 @@ struct MuonStep {
 constexpr float kNewtonSchulzA = 3.4445f, kNewtonSchulzB = -4.7750f, kNewtonSchulzC = 2.0315f;
 constexpr int kNewtonSchulzSteps = 5;
 
-// bf16 scratch of one matrix's iteration: X and the next X [r, k], A and B [r, r], r <= k.
+// One matrix [rows, cols] of a Muon update: its fp32 parameter, summed gradient and momentum.
+// A [3, d, d] parameter is three of them (qkv_w: Q, K and V are orthogonalised separately).
+struct MuonMatrix {
+  float* p;
+  const float* g;
+  float* momentum;
+};
+
+// bf16 scratch of a batch of iterations: X and the next X [batch, r, k], A and B [batch, r, r]
+// (r <= k), and the batch's Frobenius norms.
 class MuonWorkspace {
  public:
-  explicit MuonWorkspace(size_t max_matrix_elems) {
-    for (bf16** b : {&x_, &next_, &a_, &b_}) CUDA_CHECK(cudaMalloc(b, std::max<size_t>(max_matrix_elems, 1) * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&norm_, sizeof(float)));
-    capacity_ = max_matrix_elems;
+  // Room for `max_batch` matrices of up to `max_matrix_elems` elements each.
+  MuonWorkspace(size_t max_matrix_elems, int max_batch = 1)
+      : matrix_capacity_(std::max<size_t>(max_matrix_elems, 1)), batch_capacity_(std::max(max_batch, 1)) {
+    const size_t elems = matrix_capacity_ * batch_capacity_;
+    for (bf16** b : {&x_, &next_, &a_, &b_}) CUDA_CHECK(cudaMalloc(b, elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&norms_, batch_capacity_ * sizeof(float)));
   }
   ~MuonWorkspace() {
-    for (void* p : {(void*)x_, (void*)next_, (void*)a_, (void*)b_, (void*)norm_}) cudaFree(p);
+    for (void* p : {(void*)x_, (void*)next_, (void*)a_, (void*)b_, (void*)norms_}) cudaFree(p);
   }
   MuonWorkspace(const MuonWorkspace&) = delete;
   MuonWorkspace& operator=(const MuonWorkspace&) = delete;
 
+  void require_fits(int batch, int rows, int cols) const {
+    if (batch > batch_capacity_ || size_t(rows) * cols > matrix_capacity_)
+      throw std::invalid_argument("muon: " + std::to_string(batch) + " matrices of " + std::to_string(rows) + "x" +
+                                  std::to_string(cols) + " exceed the workspace of " + std::to_string(batch_capacity_) +
+                                  " x " + std::to_string(matrix_capacity_) + " elements");
+  }
+
   bf16 *x_ = nullptr, *next_ = nullptr, *a_ = nullptr, *b_ = nullptr;
-  float* norm_ = nullptr;  // ||X||_F of the matrix in progress
-  size_t capacity_ = 0;
+  float* norms_ = nullptr;  // [batch] ||X_i||_F
+
+ private:
+  size_t matrix_capacity_;
+  int batch_capacity_;
 };
 
 // buf = m buf + (1 - m) g s; x = (1 - m) g s + m buf in bf16, transposed into [cols, rows] when
@@ -52,21 +77,22 @@ __global__ void muon_momentum_kernel(const float* g, float* buf, bf16* x, int ro
   }
 }
 
-// *norm = ||x[n]||_F in one block: a fixed reduction order, deterministic.
-__global__ void frobenius_norm_kernel(const bf16* x, size_t n, float* norm) {
+// norms[i] = ||x[i n .. (i + 1) n)||_F, block i per matrix: a fixed reduction order, deterministic.
+__global__ void frobenius_norms_kernel(const bf16* x, size_t n, float* norms) {
+  const bf16* matrix = x + blockIdx.x * n;
   float ss = 0;
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
-    float v = __bfloat162float(x[i]);
+    float v = __bfloat162float(matrix[i]);
     ss += v * v;
   }
   ss = block_sum(ss);
-  if (threadIdx.x == 0) *norm = sqrtf(ss);
+  if (threadIdx.x == 0) norms[blockIdx.x] = sqrtf(ss);
 }
 
-__global__ void scale_by_inverse_norm_kernel(bf16* x, size_t n, const float* norm) {
-  const float inv = 1.0f / (*norm + 1e-7f);
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    x[i] = __float2bfloat16(__bfloat162float(x[i]) * inv);
+// x[batch, n] row i scaled by 1 / (norms[i] + 1e-7)
+__global__ void scale_by_inverse_norms_kernel(bf16* x, size_t n, size_t total, const float* norms) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = __float2bfloat16(__bfloat162float(x[i]) / (norms[i / n] + 1e-7f));
 }
 
 // p[rows, cols] -= lr * x, x stored [cols, rows] when `transpose`
@@ -78,41 +104,51 @@ __global__ void muon_apply_kernel(float* p, const bf16* x, int rows, int cols, b
   }
 }
 
-// x [r, k] <- NS5(x / (||x||_F + 1e-7)): A = X X^T, B = b A + c A A, X = a X + B X, in bf16.
-inline void newton_schulz5(MuonWorkspace& ws, int r, int k, Matmul& matmul, cudaStream_t stream) {
-  const size_t n = size_t(r) * k;
-  frobenius_norm_kernel<<<1, 1024, 0, stream>>>(ws.x_, n, ws.norm_);
+// x [batch, r, k] <- NS5(x / (||x||_F + 1e-7)) per matrix: A = X X^T, B = b A + c A A,
+// X = a X + B X, in bf16, each product one strided-batched cuBLASLt call over the batch.
+inline void newton_schulz5(MuonWorkspace& ws, int batch, int r, int k, Matmul& matmul, cudaStream_t stream) {
+  const size_t n = size_t(r) * k, rr = size_t(r) * r;
+  frobenius_norms_kernel<<<batch, 1024, 0, stream>>>(ws.x_, n, ws.norms_);
   CUDA_CHECK_LAUNCH();
-  scale_by_inverse_norm_kernel<<<elementwise_grid(n), 256, 0, stream>>>(ws.x_, n, ws.norm_);
+  scale_by_inverse_norms_kernel<<<elementwise_grid(batch * n), 256, 0, stream>>>(ws.x_, n, batch * n, ws.norms_);
   CUDA_CHECK_LAUNCH();
+  auto batched = [batch](int64_t stride_a, int64_t stride_b, int64_t stride_c) {
+    MatmulOptions o;
+    o.batch = {batch, stride_a, stride_b, stride_c};
+    return o;
+  };
+  const MatmulOptions gram = batched(n, n, rr), square = batched(rr, rr, rr), apply = batched(rr, n, n);
   for (int step = 0; step < kNewtonSchulzSteps; ++step) {
-    matmul(ws.x_, Transpose::N, ws.x_, Transpose::T, ws.a_, r, r, k, CUDA_R_16BF, stream);  // A = X X^T
-    CUDA_CHECK(cudaMemcpyAsync(ws.b_, ws.a_, size_t(r) * r * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
-    matmul(ws.a_, Transpose::N, ws.a_, Transpose::N, ws.b_, r, r, r, CUDA_R_16BF, stream, kNewtonSchulzC,
+    matmul(ws.x_, Transpose::N, ws.x_, Transpose::T, ws.a_, r, r, k, CUDA_R_16BF, gram, stream);  // A = X X^T
+    CUDA_CHECK(cudaMemcpyAsync(ws.b_, ws.a_, batch * rr * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+    matmul(ws.a_, Transpose::N, ws.a_, Transpose::N, ws.b_, r, r, r, CUDA_R_16BF, square, stream, kNewtonSchulzC,
            kNewtonSchulzB);  // B = c A A + b A
-    CUDA_CHECK(cudaMemcpyAsync(ws.next_, ws.x_, n * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
-    matmul(ws.b_, Transpose::N, ws.x_, Transpose::N, ws.next_, r, k, r, CUDA_R_16BF, stream, 1.0f,
+    CUDA_CHECK(cudaMemcpyAsync(ws.next_, ws.x_, batch * n * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+    matmul(ws.b_, Transpose::N, ws.x_, Transpose::N, ws.next_, r, k, r, CUDA_R_16BF, apply, stream, 1.0f,
            kNewtonSchulzA);  // X' = B X + a X
     std::swap(ws.x_, ws.next_);
   }
 }
 
-// p, g, momentum_buffer: [batch, rows, cols] fp32 (g the summed gradient; grad_scale normalises it).
-inline void muon_update(float* p, const float* g, float* momentum_buffer, int batch, int rows, int cols,
-                        const MuonStep& s, MuonWorkspace& ws, Matmul& matmul, cudaStream_t stream) {
+// One Muon update of matrices [rows, cols] of one shape group (g: the summed gradients;
+// grad_scale normalises them), the Newton-Schulz iterations batched over all of them.
+inline void muon_update(const std::vector<MuonMatrix>& matrices, int rows, int cols, const MuonStep& s,
+                        MuonWorkspace& ws, Matmul& matmul, cudaStream_t stream) {
+  const int batch = int(matrices.size());
+  if (batch == 0) return;
+  ws.require_fits(batch, rows, cols);
   const size_t n = size_t(rows) * cols;
-  if (n > ws.capacity_)
-    throw std::invalid_argument("muon: a " + std::to_string(rows) + "x" + std::to_string(cols) +
-                                " matrix exceeds the workspace of " + std::to_string(ws.capacity_) + " elements");
   const bool transpose = rows > cols;
   const int r = transpose ? cols : rows, k = transpose ? rows : cols;
   const float lr = s.lr * std::sqrt(std::max(1.0f, float(rows) / float(cols)));
   for (int i = 0; i < batch; ++i) {
-    muon_momentum_kernel<<<elementwise_grid(n), 256, 0, stream>>>(g + i * n, momentum_buffer + i * n, ws.x_, rows,
-                                                                  cols, transpose, s.momentum, s.grad_scale);
+    muon_momentum_kernel<<<elementwise_grid(n), 256, 0, stream>>>(matrices[i].g, matrices[i].momentum, ws.x_ + i * n,
+                                                                  rows, cols, transpose, s.momentum, s.grad_scale);
     CUDA_CHECK_LAUNCH();
-    newton_schulz5(ws, r, k, matmul, stream);
-    muon_apply_kernel<<<elementwise_grid(n), 256, 0, stream>>>(p + i * n, ws.x_, rows, cols, transpose, lr);
+  }
+  newton_schulz5(ws, batch, r, k, matmul, stream);
+  for (int i = 0; i < batch; ++i) {
+    muon_apply_kernel<<<elementwise_grid(n), 256, 0, stream>>>(matrices[i].p, ws.x_ + i * n, rows, cols, transpose, lr);
     CUDA_CHECK_LAUNCH();
   }
 }

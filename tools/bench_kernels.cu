@@ -10,6 +10,7 @@
 #include "kernels/flash_attention.cuh"
 #include "kernels/fp8_head.cuh"
 #include "kernels/matmul.cuh"
+#include "kernels/muon.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
 #include "kernels/rope.cuh"
@@ -181,6 +182,32 @@ void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
     cudaFree(p);
 }
 
+// Muon's update of a whole shape group on one rank (W = 1 owns all of it): momentum, the batched
+// Newton-Schulz iteration, the apply. FLOPs are the iteration's matmuls.
+void bench_muon(Matmul& matmul, const Peaks& peaks) {
+  struct Group {
+    const char* name;
+    int count, rows, cols;
+  };
+  for (Group g : {Group{"muon group: 12 c_fc [3072, 768]", 12, F, D}, Group{"muon group: 33 qkv [768, 768]", 33, D, D}}) {
+    const size_t n = size_t(g.rows) * g.cols;
+    std::vector<float> host(size_t(g.count) * n);
+    std::mt19937_64 rng(7);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (float& x : host) x = normal(rng);
+    float *p = device_alloc<float>(host.size()), *grad = device_alloc<float>(host.size()), *momentum = device_alloc<float>(host.size());
+    for (float* b : {p, grad, momentum}) CUDA_CHECK(cudaMemcpy(b, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+    std::vector<MuonMatrix> matrices;
+    for (int i = 0; i < g.count; ++i) matrices.push_back({p + i * n, grad + i * n, momentum + i * n});
+    MuonWorkspace ws(n, g.count);
+    const double r = std::min(g.rows, g.cols), k = std::max(g.rows, g.cols);
+    const double flops = g.count * kNewtonSchulzSteps * (4 * r * r * k + 2 * r * r * r);
+    row(g.name, median_ms([&] { muon_update(matrices, g.rows, g.cols, {0.05f, 0.95f, 1.0f}, ws, matmul, 0); }), 0, flops,
+        peaks);
+    for (float* b : {p, grad, momentum}) cudaFree(b);
+  }
+}
+
 void bench_memory_bound(const Peaks& peaks) {
   bf16 *x = random_bf16(size_t(T) * D, 2.0f, 5), *y = device_alloc<bf16>(size_t(T) * D), *g = random_bf16(size_t(T) * D, 1.0f, 6);
   row("rmsnorm fwd [49152, 768]", median_ms([&] { rmsnorm_forward(x, y, T, D, 0); }), 2.0 * T * D * 2, 0, peaks);
@@ -272,6 +299,7 @@ int main(int argc, char** argv) {
     Peaks peaks = measure_peaks(matmul);
     bench_matmuls(matmul, peaks);
     bench_fp8_head(matmul, peaks);
+    bench_muon(matmul, peaks);
     bench_memory_bound(peaks);
     bench_attention(peaks);
   } catch (const std::exception& e) {

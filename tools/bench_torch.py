@@ -170,6 +170,32 @@ def bench_fp8_head(rows, repeats):
                  median_ms(reference_op, repeats)))
 
 
+def bench_muon(rows, repeats):
+    """The reference's Newton-Schulz (SPEC 1.9) batched over a shape group, as one W = 1 rank runs
+    it: momentum, five quintic steps in bf16, the apply."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    for ours, count, r, k in (("muon group: 12 c_fc [3072, 768]", 12, FF, D), ("muon group: 33 qkv [768, 768]", 33, D, D)):
+        p = torch.randn(count, r, k, device="cuda")
+        g = torch.randn(count, r, k, device="cuda")
+        buf = torch.zeros_like(g)
+
+        def update():
+            buf.lerp_(g, 0.05)
+            x = g.lerp(buf, 0.95).bfloat16()
+            if r > k:
+                x = x.mT
+            x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+            for _ in range(5):
+                A = x @ x.mT
+                B = b * A + c * A @ A
+                x = a * x + B @ x
+            if r > k:
+                x = x.mT
+            p.add_(x, alpha=-0.05)
+
+        rows.append((ours, f"torch NS5 batched {count} x [{r}, {k}]", median_ms(update, repeats)))
+
+
 def bench_compiled_pointwise(rows, repeats):
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16) * 2
     norm = torch.compile(lambda t: F.rms_norm(t, (D,)))
@@ -206,7 +232,7 @@ def main():
         raise SystemExit("no CUDA device")
     print(f"{torch.cuda.get_device_name()}, PyTorch {torch.__version__}, median of {args.repeats} runs\n")
     rows = []
-    for bench in (bench_matmuls, bench_fp8_head, bench_compiled_pointwise, bench_attention):
+    for bench in (bench_matmuls, bench_fp8_head, bench_muon, bench_compiled_pointwise, bench_attention):
         try:
             bench(rows, args.repeats)
         except Exception as e:  # one missing feature must not hide the other rows
