@@ -1052,7 +1052,7 @@ class Optimizers {
   Optimizers(const Hyperparameters& h, const ParameterStore& params, DeviceCommunicator& comm, DeviceMemory& memory)
       : h_(h), schedule_(schedule_of(h)), params_(params), comm_(comm), grad_comm_(parse_grad_comm(h.grad_comm)),
         plan_(shard_plan_of(params.list, comm.world_size())),
-        muon_workspace_(largest_muon_matrix(), largest_muon_batch()), group_members_(plan_.muon.size()) {
+        muon_workspace_(largest_muon_batch_elems(), largest_muon_batch()), group_members_(plan_.muon.size()) {
     for (const AdamShard& s : plan_.adam) add_adam(s, memory);
     for (const MuonGroup& g : plan_.muon)
       for (const MuonChunk& c : g.chunks) add_muon(g, c, memory);
@@ -1246,19 +1246,20 @@ class Optimizers {
   static int64_t newton_schulz_elems(const MuonGroup& g) {
     return g.shape[g.shape.size() - 2] * g.shape.back();
   }
-  size_t largest_muon_matrix() const {
-    size_t largest = 0;
-    for (const MuonGroup& g : plan_.muon) largest = std::max(largest, size_t(newton_schulz_elems(g)));
-    return largest;
+  // The Newton-Schulz matrices this rank orthogonalises in group g.
+  int muon_batch(const MuonGroup& g) const {
+    int mine = 0;
+    for (const MuonChunk& c : g.chunks) mine += c.owner_param[comm_.rank()] >= 0;
+    return mine * int(g.matrix_elems() / newton_schulz_elems(g));
   }
-  // The most Newton-Schulz matrices this rank orthogonalises in one group.
   int largest_muon_batch() const {
     int largest = 0;
-    for (const MuonGroup& g : plan_.muon) {
-      int mine = 0;
-      for (const MuonChunk& c : g.chunks) mine += c.owner_param[comm_.rank()] >= 0;
-      largest = std::max(largest, mine * int(g.matrix_elems() / newton_schulz_elems(g)));
-    }
+    for (const MuonGroup& g : plan_.muon) largest = std::max(largest, muon_batch(g));
+    return largest;
+  }
+  size_t largest_muon_batch_elems() const {
+    size_t largest = 0;
+    for (const MuonGroup& g : plan_.muon) largest = std::max(largest, size_t(muon_batch(g)) * newton_schulz_elems(g));
     return largest;
   }
   size_t group_index(const Collective& c) const { return size_t(c.group - plan_.muon.data()); }

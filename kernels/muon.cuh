@@ -35,11 +35,10 @@ struct MuonMatrix {
 // (r <= k), and the batch's Frobenius norms.
 class MuonWorkspace {
  public:
-  // Room for `max_batch` matrices of up to `max_matrix_elems` elements each.
-  MuonWorkspace(size_t max_matrix_elems, int max_batch = 1)
-      : matrix_capacity_(std::max<size_t>(max_matrix_elems, 1)), batch_capacity_(std::max(max_batch, 1)) {
-    const size_t elems = matrix_capacity_ * batch_capacity_;
-    for (bf16** b : {&x_, &next_, &a_, &b_}) CUDA_CHECK(cudaMalloc(b, elems * sizeof(bf16)));
+  // Room for batches of up to `max_batch` matrices and `max_batch_elems` elements in all.
+  MuonWorkspace(size_t max_batch_elems, int max_batch = 1)
+      : elem_capacity_(std::max<size_t>(max_batch_elems, 1)), batch_capacity_(std::max(max_batch, 1)) {
+    for (bf16** b : {&x_, &next_, &a_, &b_}) CUDA_CHECK(cudaMalloc(b, elem_capacity_ * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&norms_, batch_capacity_ * sizeof(float)));
   }
   ~MuonWorkspace() {
@@ -49,17 +48,17 @@ class MuonWorkspace {
   MuonWorkspace& operator=(const MuonWorkspace&) = delete;
 
   void require_fits(int batch, int rows, int cols) const {
-    if (batch > batch_capacity_ || size_t(rows) * cols > matrix_capacity_)
+    if (batch > batch_capacity_ || size_t(batch) * rows * cols > elem_capacity_)
       throw std::invalid_argument("muon: " + std::to_string(batch) + " matrices of " + std::to_string(rows) + "x" +
                                   std::to_string(cols) + " exceed the workspace of " + std::to_string(batch_capacity_) +
-                                  " x " + std::to_string(matrix_capacity_) + " elements");
+                                  " matrices, " + std::to_string(elem_capacity_) + " elements");
   }
 
   bf16 *x_ = nullptr, *next_ = nullptr, *a_ = nullptr, *b_ = nullptr;
   float* norms_ = nullptr;  // [batch] ||X_i||_F
 
  private:
-  size_t matrix_capacity_;
+  size_t elem_capacity_;
   int batch_capacity_;
 };
 

@@ -199,7 +199,7 @@ void bench_muon(Matmul& matmul, const Peaks& peaks) {
     for (float* b : {p, grad, momentum}) CUDA_CHECK(cudaMemcpy(b, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
     std::vector<MuonMatrix> matrices;
     for (int i = 0; i < g.count; ++i) matrices.push_back({p + i * n, grad + i * n, momentum + i * n});
-    MuonWorkspace ws(n, g.count);
+    MuonWorkspace ws(g.count * n, g.count);
     const double r = std::min(g.rows, g.cols), k = std::max(g.rows, g.cols);
     const double flops = g.count * kNewtonSchulzSteps * (4 * r * r * k + 2 * r * r * r);
     row(g.name, median_ms([&] { muon_update(matrices, g.rows, g.cols, {0.05f, 0.95f, 1.0f}, ws, matmul, 0); }), 0, flops,

@@ -18,7 +18,7 @@ void check_muon(int batch, int rows, int cols, uint64_t seed) {
   std::vector<float> pf(p.begin(), p.end()), gf(g.begin(), g.end()), bf(buf.begin(), buf.end());
   DeviceBuffer<float> dp(pf), dg(gf), dbuf(bf);
   Matmul matmul;
-  MuonWorkspace ws(size_t(rows) * cols, batch);
+  MuonWorkspace ws(n, batch);
   // In reverse storage order: each matrix is used at its own addresses, whatever its batch slot.
   std::vector<MuonMatrix> matrices;
   for (int i = batch - 1; i >= 0; --i) {
