@@ -10,7 +10,7 @@
 #                                   asks: M = 1, 860 iterations, validation of 10,485,760 tokens every
 #                                   125 steps; logs in logs/ (and $OUT/logs when set), then their
 #                                   statistics against TARGET (default 2.67, the corpus's stated target)
-# Needs build/train_gpt (tools/gpu_session.sh build). The corpus holds 876 M = 1 steps (109 at
+# Builds build/train_gpt first when the machine starts bare. The corpus holds 876 M = 1 steps (109 at
 # M = 8): the loader must never cycle, so K and the iterations stay within that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,13 @@ unpack() {
     [[ -f $shards/$(basename "$f" .xz) ]] || xz -dc "$f" >"$shards/$(basename "$f" .xz)"
   done
   (cd "$shards" && sha256sum --quiet -c "../$staged/SHA256SUMS")
+}
+
+build_trainer() {
+  local generator=()
+  [[ ! -f build/CMakeCache.txt ]] && command -v ninja >/dev/null && generator=(-G Ninja)
+  cmake --preset release "${generator[@]}" >/dev/null
+  cmake --build build -j "$(nproc)" --target train_gpt >/dev/null
 }
 
 data_flags=(--train-files "$shards/corpus_train_*.bin" --val-files "$shards/corpus_val_*.bin")
@@ -77,7 +84,7 @@ case ${1:-} in
     cp ../shared/data/corpus/*.bin.xz ../shared/data/corpus/SHA256SUMS "$staged/"
     du -sh "$staged"
     ;;
-  steps) unpack && steps "${2:-20}" ;;
-  full) unpack && full "${2:-1}" ;;
+  steps) unpack && build_trainer && steps "${2:-20}" ;;
+  full) unpack && build_trainer && full "${2:-1}" ;;
   *) sed -n "2,14p" "$0" >&2; exit 2 ;;
 esac
