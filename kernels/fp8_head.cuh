@@ -4,8 +4,10 @@
 //             dW[V, d]       += (grad_s x_s) e5m2(g / grad_s)^T e4m3(x / x_s) fp32
 // cuBLASLt's FP8 products want both operands K-contiguous, so every quantisation writes a plain and
 // a transposed copy in one pass: x_f8 [rows, d] and [d, rows], w_f8 [V, d] and [d, V], g_f8
-// [rows, V] and [V, rows]. The casts are PyTorch's: x / s is x times the fp32 reciprocal of s,
-// rounded to x's dtype, then cast to FP8 without saturation.
+// [rows, V] and [V, rows]. The casts are those of the reference's compiled custom op (its impl is
+// under torch.compile): x / s becomes x times the reciprocal of s, taken in double and rounded to
+// fp32 (inductor's division by a constant), the product stays fp32 (inductor does not round a fused
+// intermediate to x's bf16), and Triton's cast to FP8 rounds to nearest even and saturates.
 #pragma once
 #include "kernels/device_utils.cuh"
 #include "kernels/matmul.cuh"
@@ -16,48 +18,34 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 using fp8 = __nv_fp8_storage_t;  // one FP8 byte: e4m3fn or e5m2, as the buffer says
 
 enum class Fp8Kind { e4m3, e5m2 };
 
-// SPEC 1.5's scales, as the fp32 values _scaled_mm receives. x is RMS-normalised: |x| <= sqrt(d)
-// maps onto e4m3's 448.
+// SPEC 1.5's scales, as the fp32 values _scaled_mm receives, and the fp32 reciprocals the
+// quantisations multiply by. x is RMS-normalised: |x| <= sqrt(d) maps onto e4m3's 448.
 struct Fp8HeadScales {
   float x, w, grad;
-  explicit Fp8HeadScales(int model_dim)
-      : x(float(std::sqrt(double(model_dim)) / 448)), w(float(24.0 / 448)), grad(float(1.0 / 448)) {}
+  float x_inv, w_inv, grad_inv;  // float(1 / s) of the double s: grad_inv is 448 exactly
+  explicit Fp8HeadScales(int model_dim) {
+    const double sx = std::sqrt(double(model_dim)) / 448, sw = 24.0 / 448, sg = 1.0 / 448;
+    x = float(sx), w = float(sw), grad = float(sg);
+    x_inv = float(1 / sx), w_inv = float(1 / sw), grad_inv = float(1 / sg);
+  }
 };
 
-// PyTorch's non-saturating cast: round to nearest even, subnormals kept, and what rounds past the
-// largest finite value becomes NaN (e4m3fn has no infinity) or inf (e5m2). The hardware cast
-// rounds the same way but exists only saturating, so the overflow is put back: e4m3 overflows
-// above 464 (448 + half its step; 464 itself rounds to the even 448), e5m2 from 61440 (57344 + half
-// its step, which rounds to the even 65536).
+// Triton's fp32 to FP8 cast on sm_90 (cvt.rn.satfinite): round to nearest even, subnormals kept,
+// what lies beyond the largest finite value (448 for e4m3, 57344 for e5m2) saturates to it, NaN
+// stays NaN.
 template <Fp8Kind kind>
 __host__ __device__ inline fp8 to_fp8(float v) {
-  if constexpr (kind == Fp8Kind::e4m3) {
-    fp8 q = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-    return fabsf(v) > 464.0f ? fp8(q | 0x7F) : q;  // sign kept, all-ones exponent and mantissa: NaN
-  } else {
-    fp8 q = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
-    return fabsf(v) >= 61440.0f ? fp8((q & 0x80) | 0x7C) : q;  // sign kept, infinity
-  }
-}
-
-// v / s as PyTorch divides a tensor by a Python float: v times the fp32 reciprocal of s, in fp32,
-// rounded to the tensor's dtype In (bf16 for x and the gradient, fp32 for the master weight).
-template <typename In>
-__host__ __device__ inline float scaled_like_torch(float v, float inv_scale) {
-  float p = v * inv_scale;
-  if constexpr (std::is_same_v<In, bf16>) p = __bfloat162float(__float2bfloat16(p));
-  return p;
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind == Fp8Kind::e4m3 ? __NV_E4M3 : __NV_E5M2);
 }
 
 constexpr int kFp8Tile = 64;  // elements per side of a quantisation tile
 
-// out[r, c] = out_t[c, r] = to_fp8(scaled_like_torch(in[r, c])) for in [rows, cols], rows and cols
+// out[r, c] = out_t[c, r] = to_fp8(in[r, c] * inv_scale) for in [rows, cols], rows and cols
 // multiples of 8. A 256-thread block does one 64 x 64 tile, each thread 8 consecutive elements;
 // the tile goes through shared memory so that the transposed copy is written row by row as well.
 template <Fp8Kind kind, typename In>
@@ -73,7 +61,7 @@ __global__ void __launch_bounds__(256)
     load8(in + size_t(row) * cols + col, v);
     uint32_t word[2] = {0, 0};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) word[i / 4] |= uint32_t(to_fp8<kind>(scaled_like_torch<In>(v[i], inv_scale))) << (8 * (i % 4));
+    for (int i = 0; i < 8; ++i) word[i / 4] |= uint32_t(to_fp8<kind>(v[i] * inv_scale)) << (8 * (i % 4));
     *reinterpret_cast<uint2*>(out + size_t(row) * cols + col) = make_uint2(word[0], word[1]);
     tile[r][part * 2] = word[0];
     tile[r][part * 2 + 1] = word[1];
@@ -89,11 +77,11 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// out [rows, cols] and out_t [cols, rows] = to_fp8(in / scale) of in [rows, cols] (16-byte aligned).
+// out [rows, cols] and out_t [cols, rows] = to_fp8(in * inv_scale) of in [rows, cols] (16-byte aligned).
 template <Fp8Kind kind, typename In>
-void fp8_quantize(const In* in, fp8* out, fp8* out_t, int rows, int cols, float scale, cudaStream_t stream) {
+void fp8_quantize(const In* in, fp8* out, fp8* out_t, int rows, int cols, float inv_scale, cudaStream_t stream) {
   dim3 grid((cols + kFp8Tile - 1) / kFp8Tile, (rows + kFp8Tile - 1) / kFp8Tile);
-  fp8_quantize_kernel<kind, In><<<grid, 256, 0, stream>>>(in, out, out_t, rows, cols, 1.0f / scale);
+  fp8_quantize_kernel<kind, In><<<grid, 256, 0, stream>>>(in, out, out_t, rows, cols, inv_scale);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -127,7 +115,7 @@ class Fp8Head {
   // micro-sequence's head): w_f8 [V, d] and its transpose from the fp32 master w [V, d].
   void quantize_weight(const float* w, cudaStream_t stream) {
     require_aligned("w", w);
-    fp8_quantize<Fp8Kind::e4m3>(w, w_f8_, w_f8_t_, V_, d_, scales_.w, stream);
+    fp8_quantize<Fp8Kind::e4m3>(w, w_f8_, w_f8_t_, V_, d_, scales_.w_inv, stream);
     weight_ready_ = true;
   }
 
@@ -152,7 +140,7 @@ class Fp8Head {
       throw std::invalid_argument("Fp8Head: " + std::to_string(rows) + " rows; want a positive multiple of 16 up to " +
                                   std::to_string(max_rows_));
     require_aligned("x", x);
-    fp8_quantize<Fp8Kind::e4m3>(x, x_f8_, x_f8_t_, rows, d_, scales_.x, stream);
+    fp8_quantize<Fp8Kind::e4m3>(x, x_f8_, x_f8_t_, rows, d_, scales_.x_inv, stream);
     rows_ = rows;
   }
   void quantize_grad(const bf16* dlogits, int rows, cudaStream_t stream) {
@@ -160,7 +148,7 @@ class Fp8Head {
       throw std::logic_error("Fp8Head: backward of " + std::to_string(rows) + " rows after a forward of " +
                              std::to_string(rows_));
     require_aligned("dlogits", dlogits);
-    fp8_quantize<Fp8Kind::e5m2>(dlogits, g_f8_, g_f8_t_, rows, V_, scales_.grad, stream);
+    fp8_quantize<Fp8Kind::e5m2>(dlogits, g_f8_, g_f8_t_, rows, V_, scales_.grad_inv, stream);
   }
   void logits_product(bf16* logits, Matmul& matmul, cudaStream_t stream) {  // logits [rows, V]
     MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, device_scales_ + kX, device_scales_ + kW, /*fast_accum=*/true};

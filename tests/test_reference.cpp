@@ -30,18 +30,20 @@ TEST_CASE("with the zero-initialised head every token's loss is ln(vocab)") {
   CHECK_NEAR(loss / 64, std::log(double(c.vocab_size)), 1e-12);
 }
 
-TEST_CASE("fp8 rounding: e4m3fn and e5m2 grids, ties to even, subnormals, overflow") {
+TEST_CASE("fp8 rounding: e4m3fn and e5m2 grids, ties to even, subnormals, saturation") {
   CHECK(round_to_fp8(1.0, kE4M3) == 1.0);
   CHECK(round_to_fp8(1.0625, kE4M3) == 1.0);     // halfway between 1 and 1.125: to even
   CHECK(round_to_fp8(1.1875, kE4M3) == 1.25);    // halfway between 1.125 and 1.25: to even
   CHECK(round_to_fp8(-300.0, kE4M3) == -288.0);  // 256 + 32k grid
   CHECK(round_to_fp8(448.0, kE4M3) == 448.0);
-  CHECK(std::isnan(round_to_fp8(470.0, kE4M3)));  // rounds to 480, not representable: NaN
+  CHECK(round_to_fp8(470.0, kE4M3) == 448.0);  // rounds to 480, beyond the largest: saturates
+  CHECK(round_to_fp8(-INFINITY, kE4M3) == -448.0);
   CHECK(round_to_fp8(std::ldexp(1.0, -9), kE4M3) == std::ldexp(1.0, -9));  // smallest subnormal
   CHECK(round_to_fp8(std::ldexp(1.0, -11), kE4M3) == 0.0);
   CHECK(round_to_fp8(1.125, kE5M2) == 1.0);      // e5m2 has 2 mantissa bits: 1, 1.25, ...
   CHECK(round_to_fp8(57344.0, kE5M2) == 57344.0);
-  CHECK(std::isinf(round_to_fp8(62000.0, kE5M2)));
+  CHECK(round_to_fp8(62000.0, kE5M2) == 57344.0);
+  CHECK(std::isnan(round_to_fp8(NAN, kE5M2)));
 }
 
 TEST_CASE("fp8 head: training loss close to the plain head, evaluation unchanged") {

@@ -1,6 +1,6 @@
-// Rounding to the FP8 formats of the lm_head (SPEC 1.5): round-to-nearest-even, subnormals kept,
-// overflow as PyTorch's non-saturating cast gives it (NaN for e4m3fn, inf for e5m2); and the value
-// of an FP8 byte.
+// Rounding to the FP8 formats of the lm_head (SPEC 1.5) as the reference's compiled cast does it:
+// round-to-nearest-even, subnormals kept, beyond the largest finite value (infinities included)
+// saturated to it, NaN kept; and the value of an FP8 byte.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -10,22 +10,19 @@ struct Fp8Format {
   int mantissa_bits;
   int min_normal_exponent;  // exponent of the smallest normal number
   double max_finite;
-  bool overflow_is_nan;
+  bool no_infinity;  // e4m3fn: the all-ones exponent is a number, except with an all-ones mantissa (NaN)
 };
 constexpr Fp8Format kE4M3{3, -6, 448.0, true};
 constexpr Fp8Format kE5M2{2, -14, 57344.0, false};
 
 inline double round_to_fp8(double x, const Fp8Format& f) {
   if (x == 0 || std::isnan(x)) return x;
-  if (std::isinf(x)) return f.overflow_is_nan ? std::numeric_limits<double>::quiet_NaN() : x;
+  if (std::isinf(x)) return std::copysign(f.max_finite, x);
   double a = std::fabs(x);
   int exponent = std::max(int(std::floor(std::log2(a))), f.min_normal_exponent);
   double quantum = std::ldexp(1.0, exponent - f.mantissa_bits);
   double rounded = std::nearbyint(a / quantum) * quantum;  // default rounding mode: to nearest even
-  if (rounded > f.max_finite)
-    rounded = f.overflow_is_nan ? std::numeric_limits<double>::quiet_NaN()
-                                : std::numeric_limits<double>::infinity();
-  return std::copysign(rounded, x);
+  return std::copysign(std::min(rounded, f.max_finite), x);
 }
 
 // The value of an FP8 byte: sign, exponent (bias 1 - min_normal_exponent), mantissa; exponent 0
@@ -37,9 +34,9 @@ inline double decode_fp8(unsigned char byte, const Fp8Format& f) {
   const int exponent = (byte >> f.mantissa_bits) & ((1 << exponent_bits) - 1);
   const double sign = byte & 0x80 ? -1.0 : 1.0;
   const int all_ones = (1 << exponent_bits) - 1;
-  if (f.overflow_is_nan && exponent == all_ones && mantissa == (1 << f.mantissa_bits) - 1)
+  if (f.no_infinity && exponent == all_ones && mantissa == (1 << f.mantissa_bits) - 1)
     return std::numeric_limits<double>::quiet_NaN();
-  if (!f.overflow_is_nan && exponent == all_ones)
+  if (!f.no_infinity && exponent == all_ones)
     return mantissa == 0 ? sign * std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
   if (exponent == 0) return sign * std::ldexp(double(mantissa), f.min_normal_exponent - f.mantissa_bits);
   return sign * std::ldexp(double((1 << f.mantissa_bits) + mantissa), exponent - bias - f.mantissa_bits);

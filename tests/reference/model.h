@@ -22,8 +22,8 @@ struct ModelConfig {
   int block_size = 128;    // attention block granularity
   int bos_token = 50256;
   double attn_scale = 0.12;
-  // F.rms_norm's default eps is finfo(dtype).eps; the reference's activations are bf16: 2^-7.
-  double rms_eps = 0.0078125;
+  // F.rms_norm's default eps on bf16 activations is finfo(float32).eps, the type it computes in.
+  double rms_eps = 1.1920928955078125e-07;
   double softcap = 30.0;        // logits = softcap * sigmoid(logits / softcap_divisor)
   double softcap_divisor = 7.5 * std::sqrt(768.0);
   bool fp8_head = false;        // training forward rounds lm_head operands to FP8 (SPEC 1.5)
