@@ -1230,8 +1230,13 @@ class Optimizers {
     c.share = size_t(g.matrix_elems());
     c.name = first.name + " chunk";
     c.complete_after = std::numeric_limits<int>::max();
-    for (int param : chunk.owner_param) {
+    for (size_t r = 0; r < chunk.owner_param.size(); ++r) {
+      const int param = chunk.owner_param[r];
       if (param < 0) continue;
+      // The reduce-scatter and all-gather treat the chunk as one run of storage: rank r's slice.
+      if (params_.list[param].offset != first.offset + r * c.share)
+        throw std::logic_error("Muon chunk of " + first.name + ": " + params_.list[param].name +
+                               " is not slice " + std::to_string(r) + " of the chunk's storage");
       c.count += c.share;
       c.complete_after = std::min(c.complete_after, gradient_complete_after(params_.list[param], 0));
     }

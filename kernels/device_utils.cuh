@@ -67,10 +67,11 @@ __device__ inline void store8(bf16* p, const float in[8]) {
   *reinterpret_cast<Bf16x8*>(p) = x;
 }
 
-// 256-thread blocks over `items`, grid-stride past 16 blocks per SM (132 SMs on an H100).
+// 256-thread blocks over `items`, grid-stride past 16 blocks per SM (132 SMs on an H100); at least
+// one block, so that an empty launch is not an invalid configuration.
 inline int elementwise_grid(size_t items) {
   size_t blocks = (items + 255) / 256;
-  return int(blocks < 132 * 16 ? blocks : 132 * 16);
+  return int(blocks < 1 ? 1 : blocks < 132 * 16 ? blocks : 132 * 16);
 }
 
 template <typename From, typename To>

@@ -19,11 +19,11 @@ inline void check_residual_width(int d, int x_stride) {
                                 std::to_string(x_stride) + " must be multiples of 8");
 }
 
-// out[T, d] = a x[T, d; row stride x_stride] + b y[T, d]; a null means 1, y null means no y term
+// out[T, d] = a x[T, d; row stride x_stride] + b y[T, d]; a or b null means 1, y null means no y term
 __global__ void weighted_sum_forward_kernel(const bf16* x, int x_stride, const float* a, const bf16* y, const float* b,
                                             bf16* out, int T, int d) {
   const int vectors_per_row = d / 8;
-  const float alpha = a ? *a : 1.0f, beta = y ? *b : 0.0f;
+  const float alpha = a ? *a : 1.0f, beta = !y ? 0.0f : b ? *b : 1.0f;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(T) * vectors_per_row;
        i += size_t(gridDim.x) * blockDim.x) {
     size_t t = i / vectors_per_row, c = (i % vectors_per_row) * 8;
@@ -53,7 +53,7 @@ __global__ void weighted_sum_backward_kernel(const bf16* dout, const bf16* x, in
                                              const bf16* y, const float* b, bf16* dx, bf16* dy, bool accumulate_dy,
                                              float* partial, int T, int d) {
   const int vectors_per_row = d / 8;
-  const float alpha = a ? *a : 1.0f, beta = dy ? *b : 0.0f;
+  const float alpha = a ? *a : 1.0f, beta = !dy ? 0.0f : b ? *b : 1.0f;
   float dot_x = 0, dot_y = 0;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(T) * vectors_per_row;
        i += size_t(gridDim.x) * blockDim.x) {
@@ -103,7 +103,7 @@ __global__ void add_scalar_gradients_kernel(const float* partial, int blocks, fl
   }
 }
 
-// Gradients of out = a x + b y: dx (stride x_stride, may alias dout) = a dout, dy (+)= b dout, and
+// Gradients of out = a x + b y (a or b null: 1): dx (stride x_stride, may alias dout) = a dout, dy (+)= b dout, and
 // the scalar gradients da += sum(dout x), db += sum(dout y) (each skipped when null). scratch holds
 // 2 x kScalarReductionBlocks floats.
 inline void weighted_sum_backward(const bf16* dout, const bf16* x, const float* a, float* da, const bf16* y,
