@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 constexpr int kAttentionHeadDim = 128;
@@ -36,6 +38,9 @@ inline std::vector<int32_t> attention_document_ids(const uint16_t* tokens, int T
 
 inline AttentionBlockLists build_attention_blocks(const std::vector<int32_t>& docs, int window_blocks,
                                                   int block = kAttentionBlock) {
+  if (docs.size() % block != 0)
+    throw std::invalid_argument("attention mask: " + std::to_string(docs.size()) + " tokens are not whole blocks of " +
+                                std::to_string(block));
   AttentionBlockLists b;
   b.num_blocks = int(docs.size()) / block;
   std::vector<std::vector<int>> kv(b.num_blocks), q(b.num_blocks);
@@ -237,6 +242,13 @@ class AttentionMask {
   DeviceAttentionMask m_;
 };
 
+// T a whole number of 128-token blocks, as many as the mask has.
+inline void check_attention_shape(const AttentionTensors& a, const AttentionMask& mask) {
+  if (a.T % kAttentionBlock != 0 || mask.device().num_blocks != a.T / kAttentionBlock)
+    throw std::invalid_argument("attention: T = " + std::to_string(a.T) + " must be a multiple of " +
+                                std::to_string(kAttentionBlock) + " matching the mask");
+}
+
 inline int attention_grid(const AttentionTensors& a, int warps_per_block) {
   return (a.T * a.H + warps_per_block - 1) / warps_per_block;
 }
@@ -244,6 +256,7 @@ inline int attention_grid(const AttentionTensors& a, int warps_per_block) {
 // y, lse: [T, H, 128], [H, T]
 inline void attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse, const AttentionTensors& a,
                               const AttentionMask& mask, cudaStream_t stream) {
+  check_attention_shape(a, mask);
   attention_forward_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, y, lse, a, mask.device());
   CUDA_CHECK_LAUNCH();
 }
@@ -252,6 +265,7 @@ inline void attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16*
 inline void attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
                                const float* lse, float* delta, bf16* dq, bf16* dk, bf16* dv,
                                const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+  check_attention_shape(a, mask);
   attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
   CUDA_CHECK_LAUNCH();
   attention_backward_dq_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, dy, lse, delta, dq, a, mask.device());

@@ -333,17 +333,21 @@ void set_shared_memory(Kernel kernel, size_t bytes) {
 
 }  // namespace flash
 
-inline void check_flash_attention_shape(const AttentionTensors& a, const AttentionMask& mask) {
-  if (a.T % flash::kTile != 0 || mask.device().num_blocks != a.T / flash::kTile)
-    throw std::invalid_argument("flash attention: T = " + std::to_string(a.T) + " must be a multiple of 128 matching the mask");
+// cp.async copies 16-byte pieces: every row of q, k and v starts 16-byte aligned.
+inline void check_flash_attention_shape(const AttentionTensors& a, const AttentionMask& mask, const bf16* q,
+                                        const bf16* k, const bf16* v) {
+  static_assert(flash::kTile == kAttentionBlock, "a flash tile is one mask block");
+  check_attention_shape(a, mask);
   if (a.q_stride % 8 || a.k_stride % 8 || a.v_stride % 8)
     throw std::invalid_argument("flash attention: row strides must be multiples of 8 elements (16-byte rows)");
+  if (reinterpret_cast<uintptr_t>(q) % 16 || reinterpret_cast<uintptr_t>(k) % 16 || reinterpret_cast<uintptr_t>(v) % 16)
+    throw std::invalid_argument("flash attention: q, k and v must start 16-byte aligned");
 }
 
 // y: [T, H, 128], lse: [H, T]
 inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
                                     const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
-  check_flash_attention_shape(a, mask);
+  check_flash_attention_shape(a, mask, q, k, v);
   const size_t smem = 3 * flash::kTileElements * sizeof(bf16);
   flash::set_shared_memory(flash::forward_kernel, smem);
   flash::forward_kernel<<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(q, k, v, y, lse, a,
@@ -355,7 +359,7 @@ inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v,
 inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
                                      const float* lse, float* delta, bf16* dq, bf16* dk, bf16* dv,
                                      const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
-  check_flash_attention_shape(a, mask);
+  check_flash_attention_shape(a, mask, q, k, v);
   attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
   CUDA_CHECK_LAUNCH();
   const size_t smem = 4 * flash::kTileElements * sizeof(bf16);
