@@ -467,7 +467,7 @@ struct GPTConfig {
   int skip_weight_index(int i) const { return i; }
   int block_lambda_index(int layer, int k) const { return num_layers + 2 * layer + k; }
   int sa_lambda_index(int layer, int k) const { return 3 * num_layers + 2 * layer + k; }
-  Softcap softcap() const { return {30.0f, float(7.5 * std::sqrt(double(model_dim)))}; }
+  Softcap softcap() const { return Softcap::for_model_dim(model_dim); }
 
   void validate() const {
     if (model_dim != num_heads * kAttentionHeadDim)

@@ -6,12 +6,16 @@
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
+// The reference divides by 7.5 sqrt(d), which inductor turns into a product with the double's
+// reciprocal rounded to fp32 (one ulp from the fp32 reciprocal of the fp32 divisor).
 struct Softcap {
   float cap = 30.0f;
-  float divisor = 7.5f * 27.712812921102035f;  // 7.5 * sqrt(768)
+  float inv_divisor = float(1 / (7.5 * std::sqrt(768.0)));
+  static Softcap for_model_dim(int model_dim) { return {30.0f, float(1 / (7.5 * std::sqrt(double(model_dim))))}; }
 };
 
 constexpr int kCrossEntropyThreads = 1024;
@@ -23,7 +27,7 @@ softcap_cross_entropy_kernel(bf16* logits, const uint16_t* targets, float* losse
                              float grad_scale) {
   extern __shared__ Bf16x8 row_smem[];  // [V / 8]
   const int t = blockIdx.x, vectors = V / 8;
-  const float inv_divisor = 1.0f / sc.divisor;
+  const float inv_divisor = sc.inv_divisor;
   bf16* row = logits + size_t(t) * V;
   float sum = 0;
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
