@@ -11,7 +11,7 @@
 namespace {
 
 constexpr double kBf16Bound = 5e-3;
-constexpr int H = 2, D = kAttentionHeadDim;
+constexpr int D = kAttentionHeadDim;
 constexpr uint16_t kBos = 50256;
 
 // Tokens with documents of random lengths (BOS at rate 1/mean_doc), the first token a BOS.
@@ -27,7 +27,7 @@ struct Reference {
 };
 
 Reference reference(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
-                    const std::vector<double>& dy, const std::vector<char>& allowed, int T) {
+                    const std::vector<double>& dy, const std::vector<char>& allowed, int T, int H) {
   Reference r;
   std::vector<double> probs;
   ref::AttentionShape shape{T, H, D, kAttentionScale};
@@ -39,7 +39,7 @@ Reference reference(const std::vector<double>& q, const std::vector<double>& k, 
 enum class Implementation { baseline, flash };
 
 void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t seed, bool verbose,
-                     Implementation impl) {
+                     Implementation impl, int H) {
   const int T = int(tokens.size());
   std::vector<int32_t> docs = attention_document_ids(tokens.data(), T, kBos);
   AttentionBlockLists lists = build_attention_blocks(docs, window);
@@ -61,18 +61,19 @@ void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t s
   backward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), ddy.get(), lse.get(), delta.get(), dq.get(), dk.get(),
            dv.get(), a, mask, 0);
   std::vector<int> ref_docs(docs.begin(), docs.end());
-  Reference r = reference(q, k, v, dy, attention_allowed(ref_docs, kAttentionBlock, window), T);
+  Reference r = reference(q, k, v, dy, attention_allowed(ref_docs, kAttentionBlock, window), T, H);
   double errors[4] = {relative_error(to_double(y.download()), r.y), relative_error(to_double(dq.download()), r.dq),
                       relative_error(to_double(dk.download()), r.dk), relative_error(to_double(dv.download()), r.dv)};
   if (verbose)
-    std::printf("  %-8s T %5d window %2d: y %.2e dq %.2e dk %.2e dv %.2e\n",
-                impl == Implementation::flash ? "flash" : "baseline", T, window, errors[0], errors[1], errors[2], errors[3]);
+    std::printf("  %-8s T %5d H %d window %2d: y %.2e dq %.2e dk %.2e dv %.2e\n",
+                impl == Implementation::flash ? "flash" : "baseline", T, H, window, errors[0], errors[1], errors[2],
+                errors[3]);
   for (double e : errors) CHECK(e <= kBf16Bound);
 }
 
-void check_both(const std::vector<uint16_t>& tokens, int window, uint64_t seed, bool verbose) {
-  check_attention(tokens, window, seed, verbose, Implementation::baseline);
-  check_attention(tokens, window, seed, verbose, Implementation::flash);
+void check_both(const std::vector<uint16_t>& tokens, int window, uint64_t seed, bool verbose, int H = 2) {
+  check_attention(tokens, window, seed, verbose, Implementation::baseline, H);
+  check_attention(tokens, window, seed, verbose, Implementation::flash, H);
 }
 
 }  // namespace
@@ -105,7 +106,7 @@ TEST_CASE("forward and backward match the reference for windows 1..14, long and 
   }
 }
 
-TEST_CASE("single document, documents on block boundaries, and a 16-block sequence") {
+TEST_CASE("single document, documents on block boundaries, a 16-block sequence, the record's 6 heads") {
   std::vector<uint16_t> one_doc(128 * 8, 17);
   one_doc[0] = kBos;
   check_both(one_doc, 14, 400, true);
@@ -113,6 +114,7 @@ TEST_CASE("single document, documents on block boundaries, and a 16-block sequen
   for (int b = 0; b < 8; b += 3) aligned[b * 128] = kBos;
   check_both(aligned, 4, 401, true);
   check_both(layout(128 * 16, 300.0, 402), 14, 403, true);
+  check_both(layout(128 * 10, 200.0, 404), 7, 405, true, 6);  // rows of 768: the trainer's strides
 }
 
 int main() { return run_gpu_checks(); }
