@@ -115,6 +115,8 @@ inline void embedding_backward(const EmbeddingBackwardPlan& plan, const bf16* do
   if (plan.distinct_tokens() == 0) return;
   dim3 block(std::min(((d / 8 + 31) / 32) * 32, 256), kEmbeddingRowGroups);
   size_t shared = size_t(kEmbeddingRowGroups) * d * sizeof(float);
+  if (shared > 48 * 1024)  // the default dynamic shared memory limit, not raised for this kernel
+    throw std::invalid_argument("embedding backward: width " + std::to_string(d) + " is above 3072");
   embedding_backward_kernel<<<plan.distinct_tokens(), block, shared, stream>>>(plan.positions(), plan.tokens(),
                                                                               plan.begin(), dout, grad, scale, d);
   CUDA_CHECK_LAUNCH();
