@@ -8,6 +8,7 @@ is renamed into place. An existing valid shard is skipped; an invalid one is rep
 again. Usage: python3 data/download_fineweb.py [N] [--dest DIR] [--base-url URL]
 """
 import argparse
+import http.client
 import os
 import struct
 import sys
@@ -42,20 +43,42 @@ def validate_shard(path):
 
 
 def download(url, dest):
-    """Fetches url into dest, resuming dest + '.part' if present."""
+    """Fetches url into dest, resuming dest + '.part' if present. A .part that is the beginning of
+    a shard (a dropped connection: urllib may end the body early without an error) is kept for
+    the next run to resume; one that cannot be (wrong magic or version, too long) is removed."""
     part = dest + ".part"
     have = os.path.getsize(part) if os.path.exists(part) else 0
     try:
         append_from(url, part, have)
     except urllib.error.HTTPError as e:
         if e.code != 416:  # 416: the range starts at the end, so the .part already holds everything
-            raise
+            raise ShardError(f"{url}: HTTP {e.code} {e.reason}") from e
+    except urllib.error.URLError as e:
+        raise ShardError(f"{url}: {e.reason}; rerun to resume {part}") from e
+    except (ConnectionError, TimeoutError, http.client.HTTPException) as e:
+        raise ShardError(f"{url}: {e!r} mid-transfer; rerun to resume {part}") from e
     try:
         validate_shard(part)
     except ShardError:
+        missing = bytes_missing(part)
+        if missing > 0:
+            raise ShardError(f"{url}: the transfer ended {missing:,} bytes early; rerun to resume {part}")
         os.remove(part)  # resuming a corrupt .part would never succeed: the next run starts over
         raise
     os.replace(part, dest)
+
+
+def bytes_missing(path):
+    """How many bytes a shard that begins like path still lacks: positive for an intact beginning
+    (header unread or valid, size below the header's), 0 or less when it cannot be completed."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        return HEADER_BYTES - size
+    with open(path, "rb") as f:
+        magic, version, count = struct.unpack("<3i", f.read(12))
+    if magic != MAGIC or version != VERSION:
+        return 0
+    return HEADER_BYTES + 2 * count - size
 
 
 def append_from(url, part, have):

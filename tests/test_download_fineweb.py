@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""data/download_fineweb.py: header validation, and a resumed download from a local HTTP server
-(127.0.0.1, Range requests) that finishes a partial .part file."""
+"""data/download_fineweb.py: header validation, and resumed downloads from a local HTTP server
+(127.0.0.1, Range requests): a partial .part finished, a dropped connection kept for the next run,
+a missing file named by its URL."""
 import http.server
 import os
 import struct
@@ -22,6 +23,7 @@ def shard_bytes(tokens, magic=dl.MAGIC, version=dl.VERSION, count=None):
 class RangeHandler(http.server.BaseHTTPRequestHandler):
     files = {}
     ranges_seen = []
+    cut_after = None  # the next response stops after this many body bytes, then the connection drops
 
     def do_GET(self):
         body = self.files.get(self.path.rsplit("/", 1)[-1])
@@ -38,7 +40,9 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
         self.send_response(206 if start else 200)
         self.send_header("Content-Length", str(len(body) - start))
         self.end_headers()
-        self.wfile.write(body[start:])
+        end = len(body) if RangeHandler.cut_after is None else start + RangeHandler.cut_after
+        RangeHandler.cut_after = None
+        self.wfile.write(body[start:end])
 
     def log_message(self, *args):
         pass
@@ -72,7 +76,7 @@ class DownloadTest(unittest.TestCase):
             self.assertIn(message, str(e.exception))
 
     def serve(self, files):
-        RangeHandler.files, RangeHandler.ranges_seen = files, []
+        RangeHandler.files, RangeHandler.ranges_seen, RangeHandler.cut_after = files, [], None
         server = http.server.HTTPServer(("127.0.0.1", 0), RangeHandler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         self.addCleanup(server.server_close)
@@ -116,6 +120,25 @@ class DownloadTest(unittest.TestCase):
         self.assertFalse(os.path.exists(os.path.join(self.dir.name, val + ".part")))
         dl.fetch_all(0, self.dir.name, base)
         self.assert_downloaded({val: shard_bytes([1, 2, 3])})
+
+    def test_dropped_connection_keeps_the_part_for_the_next_run(self):
+        val = dl.shard_names(0)[0]
+        data = shard_bytes(list(range(3000)))
+        base = self.serve({val: data})
+        RangeHandler.cut_after = 2500
+        with self.assertRaises(dl.ShardError) as e:
+            dl.fetch_all(0, self.dir.name, base)
+        self.assertIn("rerun to resume", str(e.exception))
+        self.assertEqual(os.path.getsize(os.path.join(self.dir.name, val + ".part")), 2500)
+        dl.fetch_all(0, self.dir.name, base)
+        self.assertEqual(RangeHandler.ranges_seen, [2500])
+        self.assert_downloaded({val: data})
+
+    def test_missing_file_is_named_by_its_url(self):
+        base = self.serve({})
+        with self.assertRaises(dl.ShardError) as e:
+            dl.fetch_all(0, self.dir.name, base)
+        self.assertIn(f"{base}/{dl.shard_names(0)[0]}: HTTP 404", str(e.exception))
 
 
 if __name__ == "__main__":
