@@ -4,8 +4,9 @@
 # LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Started by a launcher (torchrun, mpirun, srun: its
 # variables are set), it runs the one process the launcher asked for. FineWeb shards in
 # data/fineweb10B/ are used when present (python3 data/download_fineweb.py 8); otherwise the
-# bundled sample in data/sample/, with a warning and smoke-run settings. Extra flags are passed on
-# and override those: ./run.sh --num-iterations 100
+# bundled sample in data/sample/, with a warning and smoke-run settings; neither when the flags
+# name the training shards (--train-files). Extra flags are passed on and override those:
+# ./run.sh --num-iterations 100
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -15,8 +16,12 @@ if [[ -z ${SPEEDRUN_TRAINER:-} ]]; then
   cmake --build --preset release --target train_gpt
 fi
 
-settings=()
-if compgen -G "data/fineweb10B/fineweb_train_*.bin" >/dev/null; then
+settings=() data=()
+names_train_files=false
+for arg in "$@"; do [[ $arg == --train-files || $arg == --train-files=* ]] && names_train_files=true; done
+if $names_train_files; then
+  :
+elif compgen -G "data/fineweb10B/fineweb_train_*.bin" >/dev/null; then
   data=(--train-files "data/fineweb10B/fineweb_train_*.bin" --val-files "data/fineweb10B/fineweb_val_*.bin")
 else
   echo "warning: no FineWeb shards in data/fineweb10B/ (python3 data/download_fineweb.py 8 fetches them);" \

@@ -20,5 +20,14 @@ echo "$out"
 grep -q "error: rank 2 exited with status 3 (its output: logs/rank2.out); stopping the other ranks" <<<"$out" ||
   { echo "FAILED: the failed rank is not named"; exit 1; }
 ((SECONDS - start < 20)) || { echo "FAILED: the other ranks were not stopped"; exit 1; }
+
+# Shards named on the command line: no sample fallback, no smoke-run settings (one rank: the flags
+# are on its output line).
+out=$(NPROC=1 RUN_SECONDS=0 SPEEDRUN_TRAINER=$fake RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=1 ./run.sh --train-files "/data/train_*.bin" --val-files "/data/val_*.bin" 2>&1)
+echo "$out"
+grep -q -- "args: --train-files /data/train_\*.bin --val-files /data/val_\*.bin$" <<<"$out" ||
+  { echo "FAILED: run.sh added data or settings to the shards the flags name"; exit 1; }
+grep -q "warning" <<<"$out" && { echo "FAILED: a sample warning with the shards named"; exit 1; }
 rm -f logs/rank[0-9]*.out
 echo "launcher test passed"
