@@ -74,6 +74,7 @@ struct Hyperparameters {
   int checkpoint_every = 0;         // 0: a checkpoint at the end only
   std::string checkpoint_dir = "checkpoints";
   bool resume = false;              // continue from the newest checkpoint in checkpoint_dir
+  bool resume_other_settings = false;  // resume although the checkpoint's run had other settings
   std::string log_dir = "logs";
   bool bf16_head = false;           // train with a bf16 lm_head instead of the FP8 one of SPEC 1.5
   std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
@@ -135,6 +136,8 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        non_negative(&h.checkpoint_every), "non-negative"},
       {"checkpoint-dir", &h.checkpoint_dir, "folder of the checkpoints", nullptr, ""},
       {"resume", &h.resume, "continue from the newest checkpoint in --checkpoint-dir", nullptr, ""},
+      {"resume-other-settings", &h.resume_other_settings,
+       "with --resume: accept a checkpoint written with other training settings (logged)", nullptr, ""},
       {"log-dir", &h.log_dir, "folder of the run logs", nullptr, ""},
       {"bf16-head", &h.bf16_head, "train with a bf16 lm_head instead of the FP8 one (SPEC 1.5)", nullptr, ""},
       {"grad-comm", &h.grad_comm, "gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc",
@@ -172,16 +175,20 @@ T parse_number(const std::string& flag, const std::string& text) {
   return value;
 }
 
-inline std::string flag_value_text(const Flag& f) {
+// exact: numbers in the fewest digits that read back as the same double (else 6, for people).
+inline std::string flag_value_text(const Flag& f, bool exact = false) {
   return std::visit(
-      [](auto* p) -> std::string {
+      [exact](auto* p) -> std::string {
         using T = std::remove_pointer_t<decltype(p)>;
         if constexpr (std::is_same_v<T, std::string>) return *p;
         else if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
         else if constexpr (std::is_floating_point_v<T>) {
-          std::ostringstream s;
-          s << *p;
-          return s.str();
+          char text[32];
+          for (int digits = exact ? 15 : 6; digits <= 17; ++digits) {
+            std::snprintf(text, sizeof text, "%.*g", digits, *p);
+            if (!exact || std::strtod(text, nullptr) == *p) break;
+          }
+          return text;
         } else return std::to_string(*p);
       },
       f.field);
@@ -350,8 +357,9 @@ class RunLog {
 };
 
 // ------------------------------------------------------------------------------------------------
-// Checkpoints: named byte blobs (parameters, optimizer state, data position) in one file, written
-// to a temporary name and renamed, so a crash never leaves a torn checkpoint under the real name.
+// Checkpoints: named byte blobs (parameters, optimizer state, the flags that shaped them), each
+// with a hash that catches a damaged file, in one file written to a temporary name and renamed, so
+// a crash never leaves a torn checkpoint under the real name. The data position is the step.
 // ------------------------------------------------------------------------------------------------
 struct CheckpointError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -368,7 +376,26 @@ struct Checkpoint {
   }
 };
 
-constexpr char kCheckpointMagic[8] = {'S', 'P', 'D', 'R', 'C', 'K', 'P', '1'};
+constexpr char kCheckpointMagic[8] = {'S', 'P', 'D', 'R', 'C', 'K', 'P', '2'};
+
+// A 64-bit hash of bytes, 8 at a time (fast enough for gigabytes): catches damage, not forgery.
+inline uint64_t checkpoint_hash(const std::vector<uint8_t>& bytes) {
+  uint64_t h = 0x243F6A8885A308D3ull ^ bytes.size();
+  auto mix = [&h](uint64_t word) {
+    h = (h ^ word) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+  };
+  size_t i = 0;
+  for (; i + 8 <= bytes.size(); i += 8) {
+    uint64_t word;
+    std::memcpy(&word, bytes.data() + i, 8);
+    mix(word);
+  }
+  uint64_t tail = 0;
+  std::memcpy(&tail, bytes.data() + i, bytes.size() - i);
+  mix(tail);
+  return h;
+}
 
 inline std::string checkpoint_path(const std::string& dir, int step) {
   char name[32];
@@ -391,6 +418,7 @@ inline void write_checkpoint(const std::string& dir, const Checkpoint& c) {
       put(name.data(), name.size());
       put_u64(bytes.size());
       put(bytes.data(), bytes.size());
+      put_u64(checkpoint_hash(bytes));
     }
     out.flush();
     if (!out) throw CheckpointError(temp + ": write failed (disk full?)");
@@ -414,7 +442,9 @@ inline Checkpoint read_checkpoint(const std::string& path) {
   get(magic, sizeof magic, "the magic");
   if (std::memcmp(magic, kCheckpointMagic, sizeof magic) != 0) throw CheckpointError(path + ": not a checkpoint (bad magic)");
   Checkpoint c;
-  c.step = int(get_u64("the step"));
+  const uint64_t step = get_u64("the step");
+  if (step > uint64_t(std::numeric_limits<int>::max())) throw CheckpointError(path + ": corrupt checkpoint (step " + std::to_string(step) + ")");
+  c.step = int(step);
   uint64_t count = get_u64("the blob count");
   uint64_t file_size = std::filesystem::file_size(path);
   for (uint64_t i = 0; i < count; ++i) {
@@ -426,23 +456,68 @@ inline Checkpoint read_checkpoint(const std::string& path) {
     if (size > file_size) throw CheckpointError(path + ": truncated checkpoint ('" + name + "' claims " + std::to_string(size) + " bytes)");
     std::vector<uint8_t> bytes(size);
     get(bytes.data(), size, name.c_str());
+    if (get_u64("a hash") != checkpoint_hash(bytes)) throw CheckpointError(path + ": '" + name + "' is damaged (its hash differs)");
     c.blobs.emplace_back(std::move(name), std::move(bytes));
   }
   if (in.peek() != std::char_traits<char>::eof()) throw CheckpointError(path + ": trailing bytes after the last blob");
   return c;
 }
 
-// The checkpoint of the highest step in dir, or "" when there is none. Temporary files of an
-// interrupted write are ignored.
+// The checkpoint of the highest step in dir (files named step_<digits>.ckpt), or "" when there is
+// none. Temporary files of an interrupted write and other names are ignored.
 inline std::string newest_checkpoint(const std::string& dir) {
   std::string newest;
+  long long newest_step = -1;
   if (!std::filesystem::is_directory(dir)) return newest;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    std::string name = entry.path().filename().string();
-    if (name.rfind("step_", 0) == 0 && entry.path().extension() == ".ckpt" && entry.path().string() > newest)
-      newest = entry.path().string();
+    const std::string name = entry.path().filename().string();
+    const size_t digits = name.size() - std::min(name.size(), sizeof "step_.ckpt" - 1);
+    if (digits == 0 || digits > 9 || name.rfind("step_", 0) != 0 || name.compare(5 + digits, 5, ".ckpt") != 0 ||
+        !std::all_of(name.begin() + 5, name.begin() + 5 + digits, [](char ch) { return ch >= '0' && ch <= '9'; }))
+      continue;
+    const long long step = std::stoll(name.substr(5, digits));
+    if (step > newest_step) newest_step = step, newest = entry.path().string();
   }
   return newest;
+}
+
+// The flags a checkpoint's state depends on (the data, the batch, the schedules, the optimizers'
+// settings, the head, the gradient traffic) and the world size, as "name=value" lines: a resumed
+// run must have the same, or it would not continue the same run.
+inline std::string resume_flags(Hyperparameters h, int world_size) {
+  static const char* const names[] = {
+      "train-files", "seq-len", "micro-batches", "num-iterations", "cooldown-frac", "adam-lr", "adam-beta1",
+      "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
+      "muon-momentum-warmup", "bf16-head", "grad-comm"};
+  std::string lines = "world-size=" + std::to_string(world_size) + "\n";
+  for (const Flag& f : flag_table(h))
+    if (std::find(std::begin(names), std::end(names), f.name) != std::end(names))
+      lines += f.name + "=" + flag_value_text(f, /*exact=*/true) + "\n";
+  return lines;
+}
+
+// "" when the checkpoint's flags equal this run's, else each difference.
+inline std::string resume_flag_differences(const std::string& saved, const std::string& now) {
+  auto parse = [](const std::string& text) {
+    std::vector<std::pair<std::string, std::string>> values;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) {
+      size_t eq = line.find('=');
+      values.emplace_back(line.substr(0, eq), eq == std::string::npos ? "" : line.substr(eq + 1));
+    }
+    return values;
+  };
+  const auto before = parse(saved), after = parse(now);
+  auto value_in = [](const auto& values, const std::string& name) {
+    for (const auto& [n, v] : values)
+      if (n == name) return v;
+    return std::string("(none)");
+  };
+  std::string differences;
+  for (const auto& [name, value] : after)
+    if (value_in(before, name) != value)
+      differences += "; --" + name + " was " + value_in(before, name) + ", is " + value;
+  return differences.empty() ? "" : differences.substr(2);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1396,6 +1471,8 @@ inline std::vector<StateBuffer> training_state(const ParameterStore& params, Opt
   return state;
 }
 
+constexpr const char* kRunFlagsBlob = "run flags";  // resume_flags of the run that wrote the checkpoint
+
 inline Checkpoint capture_state(const std::vector<StateBuffer>& state, int step) {
   CUDA_CHECK(cudaDeviceSynchronize());
   Checkpoint c;
@@ -1488,6 +1565,25 @@ inline double train_step(GPT& model, Activations& acts, Optimizers& optimizers, 
                        [&](int layer) { optimizers.gradients_done(layer, stream); });
   optimizers.step(step, stream);
   return take_loss_total(acts, stream);
+}
+
+// Before any GPU work: enough training windows for the run, from the shards' headers.
+inline void check_training_data(const Hyperparameters& h) {
+  const int64_t windows = BatchPlan(h.train_files, h.seq_len, h.micro_batches, kTokenizerVocab).windows_available();
+  const int64_t needed = std::max(h.num_iterations, h.warmup_steps);
+  if (windows < needed)
+    throw DataError("the files matching '" + h.train_files + "' give " + std::to_string(windows) + " steps of " +
+                    std::to_string(h.micro_batches) + " x " + std::to_string(h.seq_len) + " tokens; the run needs " +
+                    std::to_string(needed) + " (fetch more shards, or shorten --num-iterations)");
+}
+
+// A folder the run will write into at the end: created, and a file written and removed, now.
+inline void check_writable(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  const std::string probe = dir + "/.write_probe";
+  if (error || !std::ofstream(probe) || !std::filesystem::remove(probe, error))
+    throw std::runtime_error(dir + ": cannot write checkpoints there" + (error ? " (" + error.message() + ")" : ""));
 }
 
 inline PrefetchLoader training_loader(const Hyperparameters& h, int start_step, int rank, int world_size) {
@@ -1624,6 +1720,7 @@ class TrainingRun {
   TrainingRun& operator=(const TrainingRun&) = delete;
 
   int run() {
+    check_writable(checkpoint_dir_);
     if (h_.warmup_steps > 0) warm_up_and_restore();  // before a resume too: the checkpoint replaces its state
     if (h_.resume) resume();
     char seed_line[64];
@@ -1643,7 +1740,7 @@ class TrainingRun {
       }
       if (last) break;
       beat(at + "training");
-      train_and_log(step, loader.next());
+      train_and_log(step, next_batch(loader, step));
     }
     size_t free_bytes = 0, total_bytes = 0;
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -1652,6 +1749,18 @@ class TrainingRun {
   }
 
  private:
+  // A data error mid-run (a shard's tokens are read when it is reached) saves the state first.
+  const RankBatch& next_batch(PrefetchLoader& loader, int step) {
+    try {
+      return loader.next();
+    } catch (const DataError& e) {
+      if (step == counters_.step) throw;
+      checkpoint(step);
+      throw DataError(std::string(e.what()) + "; the state of step " + std::to_string(step) + " is saved in " +
+                      checkpoint_path(checkpoint_dir_, step) + " (--resume continues from it)");
+    }
+  }
+
   void say(const std::string& line, bool console = true) {
     if (log_) log_->line(line, console);
   }
@@ -1670,19 +1779,49 @@ class TrainingRun {
     restore_state(initial, "", state_, model_.params);
   }
 
+  // Every rank decides together: one rank's missing, damaged or mismatched checkpoint, or ranks at
+  // different steps, stop them all (a rank left alone would wait in a collective).
   void resume() {
     beat("resume");
     const std::string path = newest_checkpoint(checkpoint_dir_);
-    if (path.empty()) throw std::runtime_error("--resume: no checkpoint in " + checkpoint_dir_);
-    Checkpoint c = read_checkpoint(path);
-    if (comm_->all_reduce_sum(c.step) != double(c.step) * comm_->world_size())
-      throw std::runtime_error("--resume: the ranks' newest checkpoints are of different steps (rank " +
-                               std::to_string(comm_->rank()) + " has step " + std::to_string(c.step) + ")");
+    Checkpoint c;
+    std::string problem, differences;
+    try {
+      if (path.empty()) throw CheckpointError("no checkpoint in " + checkpoint_dir_);
+      c = read_checkpoint(path);
+      differences = settings_differences(c, path);
+      if (!differences.empty() && !h_.resume_other_settings)
+        throw CheckpointError(path + ": written by a run with other settings: " + differences +
+                              " (--resume-other-settings resumes anyway)");
+    } catch (const CheckpointError& e) {
+      problem = e.what();
+    }
+    const int step = problem.empty() ? c.step : -1;
+    const bool differs = comm_->all_reduce_sum(step) != double(step) * comm_->world_size();
+    if (comm_->all_reduce_sum(problem.empty() && !differs ? 0 : 1) > 0)
+      throw std::runtime_error("--resume: " + (!problem.empty() ? problem
+                                               : differs ? "the ranks' newest checkpoints are of different steps (rank " +
+                                                               std::to_string(comm_->rank()) + " has step " +
+                                                               std::to_string(step) + ")"
+                                                         : std::string("another rank cannot resume (its error says why)")));
     restore_state(c, path, state_, model_.params);
     counters_.step = c.step;
     last_checkpoint_ = path;
-    say("resumed from " + path + " at step " + std::to_string(c.step));
+    say("resumed from " + path + " at step " + std::to_string(c.step) +
+        (differences.empty() ? "" : ", with other settings: " + differences));
   }
+
+  // Throws for a checkpoint this run cannot continue; returns how the settings differ ("" if not).
+  std::string settings_differences(const Checkpoint& c, const std::string& path) const {
+    if (std::filesystem::path(path).filename() != std::filesystem::path(checkpoint_path("", c.step)).filename())
+      throw CheckpointError(path + ": holds step " + std::to_string(c.step) + ", not the step of its name");
+    if (c.step > h_.num_iterations)
+      throw CheckpointError(path + ": step " + std::to_string(c.step) + " is past --num-iterations " +
+                            std::to_string(h_.num_iterations));
+    const std::vector<uint8_t>& saved = c.blob(kRunFlagsBlob, path);
+    return resume_flag_differences(std::string(saved.begin(), saved.end()), run_flags());
+  }
+  std::string run_flags() const { return resume_flags(h_, comm_->world_size()); }
 
   void validate_and_log(int step) {
     check_rank_consistency(model_.params, *comm_, checksum_, 0);
@@ -1706,7 +1845,10 @@ class TrainingRun {
   // The checkpoint of step s is good once the loss of the next step, computed from its
   // parameters, is finite: until then a NaN stop names the one before.
   void checkpoint(int step) {
-    write_checkpoint(checkpoint_dir_, capture_state(state_, step));
+    Checkpoint c = capture_state(state_, step);
+    const std::string flags = run_flags();
+    c.blobs.emplace_back(kRunFlagsBlob, std::vector<uint8_t>(flags.begin(), flags.end()));
+    write_checkpoint(checkpoint_dir_, c);
     unconfirmed_checkpoint_ = checkpoint_path(checkpoint_dir_, step);
     unconfirmed_step_ = step;
   }
@@ -1757,6 +1899,7 @@ class TrainingRun {
 };
 
 int run_training(const Hyperparameters& h) {
+  check_training_data(h);
   const ProcessGroupEnv g = process_group_from_env();
   CUDA_CHECK(cudaSetDevice(g.local_rank));
   require_hopper_gpu(g.local_rank);

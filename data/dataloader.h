@@ -45,14 +45,13 @@ inline std::vector<std::string> list_shards(const std::string& pattern) {
   return files;
 }
 
-// Reads a whole shard and checks its header, its size and every token id.
-inline std::vector<uint16_t> read_shard(const std::string& path, int vocab_size) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw DataError(path + ": cannot open: " + std::strerror(errno));
-  std::unique_ptr<FILE, int (*)(FILE*)> closer(f, &std::fclose);
+// The token count of the shard open in f, from its header, checked against the file's size; f is
+// left at the first token.
+inline int64_t checked_token_count(FILE* f, const std::string& path) {
   int32_t header[kShardHeaderInts];
   if (std::fread(header, 1, kShardHeaderBytes, f) != size_t(kShardHeaderBytes))
-    throw DataError(path + ": truncated header: shorter than " + std::to_string(kShardHeaderBytes) + " bytes");
+    throw DataError(path + (std::ferror(f) ? ": cannot read: " + std::string(std::strerror(errno))
+                                           : ": truncated header: shorter than " + std::to_string(kShardHeaderBytes) + " bytes"));
   if (header[0] != kShardMagic)
     throw DataError(path + ": wrong magic " + std::to_string(header[0]) + " (expected " + std::to_string(kShardMagic) + ")");
   if (header[1] != kShardVersion)
@@ -65,6 +64,23 @@ inline std::vector<uint16_t> read_shard(const std::string& path, int vocab_size)
     throw DataError(path + ": size " + std::to_string(actual) + " bytes does not match the header's token count " +
                     std::to_string(num_tokens) + " (expected " + std::to_string(expected) + " bytes)");
   std::fseek(f, kShardHeaderBytes, SEEK_SET);
+  return num_tokens;
+}
+
+inline std::unique_ptr<FILE, int (*)(FILE*)> open_shard(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) throw DataError(path + ": cannot open: " + std::strerror(errno));
+  return {f, &std::fclose};
+}
+
+// The header's token count of a shard, checked against its size, without reading the tokens.
+inline int64_t shard_token_count(const std::string& path) { return checked_token_count(open_shard(path).get(), path); }
+
+// Reads a whole shard and checks its header, its size and every token id.
+inline std::vector<uint16_t> read_shard(const std::string& path, int vocab_size) {
+  auto file = open_shard(path);
+  FILE* f = file.get();
+  const int64_t num_tokens = checked_token_count(f, path);
   std::vector<uint16_t> tokens(num_tokens);
   if (std::fread(tokens.data(), 2, num_tokens, f) != size_t(num_tokens))
     throw DataError(path + ": read failed: " + std::strerror(errno));
@@ -104,6 +120,19 @@ class BatchPlan {
     return w;
   }
 
+  // The windows all the files give, from their headers alone (no token is read): a run longer than
+  // this would stop when the data runs out. A file too small for one window is an error here too.
+  int64_t windows_available() const {
+    const int64_t batch = micro_len_ * micro_count_;
+    int64_t windows = 0;
+    for (const std::string& path : files_) {
+      const int64_t n = shard_token_count(path);
+      check_shard_fits_batch(path, n, batch);
+      windows += (n - 2 - batch) / batch + 1;  // windows at pos = k batch while pos + batch + 1 < n
+    }
+    return windows;
+  }
+
   int64_t micro_len() const { return micro_len_; }
   int micro_count() const { return micro_count_; }
   static int rank_of_micro(int j, int world_size) { return j % world_size; }
@@ -117,8 +146,12 @@ class BatchPlan {
     const std::string& path = files_[next_file_++];
     tokens_ = read_shard(path, vocab_size_);
     pos_ = 0;
-    if (int64_t(tokens_.size()) < batch + 2)
-      throw DataError(path + ": holds " + std::to_string(tokens_.size()) + " tokens, too few for one batch of " +
+    check_shard_fits_batch(path, int64_t(tokens_.size()), batch);
+  }
+
+  void check_shard_fits_batch(const std::string& path, int64_t tokens, int64_t batch) const {
+    if (tokens < batch + 2)
+      throw DataError(path + ": holds " + std::to_string(tokens) + " tokens, too few for one batch of " +
                       std::to_string(micro_count_) + " x " + std::to_string(micro_len_) + " tokens (needs " +
                       std::to_string(batch + 2) + ")");
   }

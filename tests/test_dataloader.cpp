@@ -116,7 +116,22 @@ TEST_CASE("batch plan equals the reference generator over shards, with rollover 
         CHECK(w.tokens[j * T + T] == uint16_t(expected[k].first * 10000 + expected[k].second + j * T + T));
     }
     CHECK_THROWS_WITH(plan.next(), "exhausted");
+    CHECK(plan.windows_available() == int64_t(expected.size()));  // from the headers alone
   }
+}
+
+TEST_CASE("windows available from the headers: every shard checked, none read") {
+  write_shard("count_0.bin", counting_tokens(4 * 8 + 2, 0));  // one window
+  write_shard("count_1.bin", counting_tokens(3 * 32 + 2, 0));  // three
+  CHECK(BatchPlan(temp_dir() + "/count_*.bin", 8, 4, kTokenizerVocab).windows_available() == 4);
+  write_shard("count_2.bin", counting_tokens(20, 0), kShardMagic, kShardVersion, 25);  // truncated, never reached
+  CHECK_THROWS_WITH(BatchPlan(temp_dir() + "/count_*.bin", 8, 4, kTokenizerVocab).windows_available(), "count_2.bin",
+                    "does not match the header's token count 25");
+  write_shard("small_0.bin", counting_tokens(200, 0));
+  write_shard("small_1.bin", counting_tokens(30, 0));
+  CHECK_THROWS_WITH(BatchPlan(temp_dir() + "/small_*.bin", 8, 4, kTokenizerVocab).windows_available(), "small_1.bin",
+                    "too few for one batch");
+  CHECK_THROWS_WITH(read_shard(temp_dir(), kTokenizerVocab), "cannot read");  // a directory
 }
 
 TEST_CASE("ranks partition the micro-sequences: j goes to rank j mod W") {

@@ -143,6 +143,35 @@ TEST_CASE("damaged checkpoints are errors that name the file") {
   std::ofstream(path, std::ios::binary) << bytes << "x";
   CHECK_THROWS_WITH(read_checkpoint(path), path.c_str(), ": trailing bytes after the last blob");
   CHECK_THROWS_WITH(read_checkpoint(dir + "/missing.ckpt"), "missing.ckpt: cannot open the checkpoint");
+  std::string flipped = bytes;
+  flipped[flipped.size() - 20] ^= 1;  // one bit of the payload
+  std::ofstream(path, std::ios::binary) << flipped;
+  CHECK_THROWS_WITH(read_checkpoint(path), path.c_str(), ": 'params' is damaged (its hash differs)");
+}
+
+TEST_CASE("the newest checkpoint is the highest step number; other names are ignored") {
+  std::string dir = temp_dir("numbered_checkpoints");
+  Checkpoint c;
+  for (int step : {99, 1000000, 125}) {
+    c.step = step;
+    write_checkpoint(dir, c);
+  }
+  for (const char* other : {"step_abc.ckpt", "step_.ckpt", "step_9999999999.ckpt", "step_2000000.ckpt.tmp", "x.ckpt"})
+    std::ofstream(dir + "/" + other) << "not a checkpoint";
+  CHECK(newest_checkpoint(dir) == checkpoint_path(dir, 1000000));
+}
+
+TEST_CASE("a resumed run must have the checkpoint's training settings; each difference is named") {
+  Hyperparameters h;
+  const std::string saved = resume_flags(h, 8);
+  CHECK(resume_flag_differences(saved, resume_flags(h, 8)).empty());
+  Hyperparameters other = h;
+  other.seq_len = 16384;
+  other.adam_lr = 0.008000000000000002;  // one double ulp: the flags are kept exactly
+  other.val_every = 10;                  // validation and logging settings may change
+  other.checkpoint_every = 5;
+  CHECK(resume_flag_differences(saved, resume_flags(other, 4)) ==
+        "--world-size was 8, is 4; --seq-len was 49152, is 16384; --adam-lr was 0.008, is 0.008000000000000002");
 }
 
 int main() { return check::run_checks(); }

@@ -3,6 +3,7 @@
 # checkpoint, which exists: 3 sound steps with a checkpoint each, then a resume with learning rates
 # of 1e30, whose first update overflows the MLP. The loss of step 4 is still finite (it comes from
 # checkpoint 3); step 5's is not, so checkpoint 4 (written, never confirmed) must not be named.
+# The resume changes settings on purpose (--resume-other-settings).
 # Exit 77 (skipped) without a GPU. Usage: nan_stop.sh <train_gpt binary>, from the repository root.
 set -uo pipefail
 nvidia-smi -L >/dev/null 2>&1 || { echo "no GPU: skipped"; exit 77; }
@@ -15,7 +16,7 @@ run() {
     --warmup-steps 0 --checkpoint-every 1 --log-dir "$work/logs" --checkpoint-dir "$work/checkpoints" "$@"
 }
 run --num-iterations 3 >"$work/first.txt" 2>&1 || { cat "$work/first.txt"; echo "FAILED: the sound run failed"; exit 1; }
-run --resume --adam-lr 1e30 --muon-lr 1e30 >"$work/console.txt" 2>"$work/errors.txt"
+run --resume --resume-other-settings --adam-lr 1e30 --muon-lr 1e30 >"$work/console.txt" 2>"$work/errors.txt"
 status=$?
 cat "$work/errors.txt"
 [[ $status -eq 1 ]] || { echo "FAILED: exit status $status, expected 1 (a stopped run)"; exit 1; }
