@@ -1435,21 +1435,43 @@ class Optimizers {
   Timeline* timeline_ = nullptr;
 };
 
-// Rank consistency (SPEC 4.3): every rank must hold the same parameters. Each parameter's word sum
-// goes through a SUM all-reduce (it equals W times the own value on every rank only when all are
-// equal), and so does each rank's verdict, so every rank names the same first parameter.
+// Whether the ranks agree on a value (at most 40 bits, so that W of them sum exactly in a double),
+// decided alike on every rank: the value's SUM all-reduce equals W times the own value on every
+// rank only when all are equal, and each rank's verdict, with any problem of its own, is summed
+// too. A rank that throws alone would leave the others waiting in a collective.
+struct RankVote {
+  bool stop;         // some rank differs or has a problem: every rank stops
+  bool mine_differs; // this rank's value is off the mean
+};
+inline RankVote vote_across_ranks(DeviceCommunicator& comm, double value, bool my_problem = false) {
+  const bool differs = comm.all_reduce_sum(value) != value * comm.world_size();
+  return {comm.all_reduce_sum(differs || my_problem ? 1 : 0) > 0, differs};
+}
+inline double low_40_bits(uint64_t v) { return double(v & ((uint64_t(1) << 40) - 1)); }
+
+// Rank consistency (SPEC 4.3): every rank must hold the same parameters (their word sums agree);
+// every rank names the same first parameter that differs.
 inline void check_rank_consistency(const ParameterStore& params, DeviceCommunicator& comm,
                                    unsigned long long* scratch, cudaStream_t stream) {
   for (const Param& p : params.list) {
     const void* data = p.is_embedding() ? static_cast<const void*>(params.embeddings + p.offset)
                                         : static_cast<const void*>(params.master + p.offset);
-    // 40 bits of the sum: exact in a double even when summed over 4096 ranks
-    double mine = double(device_word_sum(data, p.numel * (p.is_embedding() ? 2 : 4), scratch, stream) & ((1ull << 40) - 1));
-    bool differs = comm.all_reduce_sum(mine) != mine * comm.world_size();
-    if (comm.all_reduce_sum(differs ? 1 : 0) > 0)
+    const size_t bytes = p.numel * (p.is_embedding() ? 2 : 4);
+    const RankVote vote = vote_across_ranks(comm, low_40_bits(device_word_sum(data, bytes, scratch, stream)));
+    if (vote.stop)
       throw std::runtime_error("ranks disagree on parameter " + p.name + " (rank " + std::to_string(comm.rank()) +
-                               (differs ? " differs from the mean)" : " agrees with the mean)"));
+                               (vote.mine_differs ? " differs from the mean)" : " agrees with the mean)"));
   }
+}
+
+// Every rank must run with the same flags, or their collectives would stop matching.
+inline void check_same_flags(const Hyperparameters& h, DeviceCommunicator& comm) {
+  Hyperparameters copy = h;
+  std::string text;
+  for (const Flag& f : flag_table(copy)) text += f.name + "=" + flag_value_text(f, /*exact=*/true) + "\n";
+  if (vote_across_ranks(comm, low_40_bits(std::hash<std::string>{}(text))).stop)
+    throw std::runtime_error("the ranks were started with different flags (rank " + std::to_string(comm.rank()) +
+                             "'s: " + text.substr(0, text.size() - 1) + ")");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1703,6 +1725,7 @@ class TrainingRun {
         checksum_(memory_.alloc<unsigned long long>("parameter checksum", 1)),
         state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, *comm_)) {
     beat("initialisation");
+    check_same_flags(h, *comm_);
     // Every rank initialises from rank 0's seed (52 bits: exact through the double all-reduce).
     uint64_t seed = comm_->rank() == 0 ? (h.seed ? h.seed : fresh_seed()) & ((uint64_t(1) << 52) - 1) : 0;
     counters_.seed = uint64_t(comm_->all_reduce_sum(double(seed)));
@@ -1797,13 +1820,12 @@ class TrainingRun {
       problem = e.what();
     }
     const int step = problem.empty() ? c.step : -1;
-    const bool differs = comm_->all_reduce_sum(step) != double(step) * comm_->world_size();
-    if (comm_->all_reduce_sum(problem.empty() && !differs ? 0 : 1) > 0)
-      throw std::runtime_error("--resume: " + (!problem.empty() ? problem
-                                               : differs ? "the ranks' newest checkpoints are of different steps (rank " +
-                                                               std::to_string(comm_->rank()) + " has step " +
-                                                               std::to_string(step) + ")"
-                                                         : std::string("another rank cannot resume (its error says why)")));
+    const RankVote vote = vote_across_ranks(*comm_, step, !problem.empty());
+    if (vote.stop && problem.empty())
+      problem = vote.mine_differs ? "the ranks' newest checkpoints are of different steps (rank " +
+                                        std::to_string(comm_->rank()) + " has step " + std::to_string(step) + ")"
+                                  : "another rank cannot resume (its error says why)";
+    if (vote.stop) throw std::runtime_error("--resume: " + problem);
     restore_state(c, path, state_, model_.params);
     counters_.step = c.step;
     last_checkpoint_ = path;
