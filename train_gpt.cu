@@ -1923,7 +1923,7 @@ class TrainingRun {
 int run_training(const Hyperparameters& h) {
   check_training_data(h);
   const ProcessGroupEnv g = process_group_from_env();
-  CUDA_CHECK(cudaSetDevice(g.local_rank));
+  select_gpu(g.local_rank);
   require_hopper_gpu(g.local_rank);
   return TrainingRun(h, g).run();
 }

@@ -37,6 +37,19 @@
   } while (0)
 
 // The trainer's kernels are built for Hopper (sm_90a); any other GPU is refused at start.
+// Makes GPU `device` (a process's local rank) current, with an error that says what is missing.
+inline void select_gpu(int device) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0)
+    throw std::runtime_error(std::string("no CUDA GPU is usable here (") +
+                             (err != cudaSuccess ? cudaGetErrorString(err) : "none found") + ")");
+  if (device < 0 || device >= count)
+    throw std::runtime_error("local rank " + std::to_string(device) + " needs GPU " + std::to_string(device) +
+                             ", but this machine shows " + std::to_string(count) + " GPU(s) (LOCAL_RANK too high?)");
+  CUDA_CHECK(cudaSetDevice(device));
+}
+
 inline void require_hopper_gpu(int device) {
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
