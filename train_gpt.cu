@@ -25,6 +25,8 @@
 #include "kernels/timeline.cuh"
 #include "kernels/watchdog.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cerrno>
 #include <charconv>
@@ -403,12 +405,15 @@ inline std::string checkpoint_path(const std::string& dir, int step) {
   return dir + "/" + name;
 }
 
+// The bytes reach the disk (fsync) before the rename makes them the checkpoint of that step.
 inline void write_checkpoint(const std::string& dir, const Checkpoint& c) {
   std::filesystem::create_directories(dir);
   std::string path = checkpoint_path(dir, c.step), temp = path + ".tmp";
   {
-    std::ofstream out(temp, std::ios::binary);
-    auto put = [&](const void* p, size_t n) { out.write(static_cast<const char*>(p), std::streamsize(n)); };
+    std::unique_ptr<FILE, int (*)(FILE*)> out(std::fopen(temp.c_str(), "wb"), &std::fclose);
+    if (!out) throw CheckpointError(temp + ": cannot create: " + std::strerror(errno));
+    bool ok = true;
+    auto put = [&](const void* p, size_t n) { ok = ok && std::fwrite(p, 1, n, out.get()) == n; };
     auto put_u64 = [&](uint64_t v) { put(&v, sizeof v); };
     put(kCheckpointMagic, sizeof kCheckpointMagic);
     put_u64(uint64_t(c.step));
@@ -420,8 +425,8 @@ inline void write_checkpoint(const std::string& dir, const Checkpoint& c) {
       put(bytes.data(), bytes.size());
       put_u64(checkpoint_hash(bytes));
     }
-    out.flush();
-    if (!out) throw CheckpointError(temp + ": write failed (disk full?)");
+    if (!ok || std::fflush(out.get()) != 0 || ::fsync(::fileno(out.get())) != 0)
+      throw CheckpointError(temp + ": write failed: " + std::strerror(errno));
   }
   std::filesystem::rename(temp, path);
 }

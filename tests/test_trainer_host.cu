@@ -161,6 +161,13 @@ TEST_CASE("the newest checkpoint is the highest step number; other names are ign
   CHECK(newest_checkpoint(dir) == checkpoint_path(dir, 1000000));
 }
 
+TEST_CASE("the checkpoint folder is created and tried at the start; an unwritable one is named") {
+  std::string dir = temp_dir("writable") + "/a/b";
+  check_writable(dir);
+  CHECK(std::filesystem::is_directory(dir) && std::filesystem::is_empty(dir));
+  CHECK_THROWS_WITH(check_writable("/proc/no_such_folder"), "/proc/no_such_folder: cannot write checkpoints there");
+}
+
 TEST_CASE("a resumed run must have the checkpoint's training settings; each difference is named") {
   Hyperparameters h;
   const std::string saved = resume_flags(h, 8);
