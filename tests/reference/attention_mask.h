@@ -14,25 +14,35 @@ inline std::vector<int> document_ids(const uint16_t* tokens, int T, int bos_toke
   return docs;
 }
 
-// For each query block: the kv blocks it attends, nearest first (partial blocks, then full ones).
+// For each query block: the kv blocks it attends, nearest first (partial blocks, then full ones),
+// as create_blockmasks computes them: dense [blocks, blocks] "any" and "all" masks, each row's
+// indices by a stable ascending argsort of the mask, flipped (so the kept blocks come first, the
+// highest index first), and the counts clamped to max(W - full, 1) partial and W - 1 full blocks.
 // window_blocks may be 0 (the short window while the long one is 1): then only the diagonal.
 inline std::vector<std::vector<int>> attended_kv_blocks(const std::vector<int>& docs, int block_size,
                                                         int window_blocks) {
-  int num_blocks = int(docs.size()) / block_size;
-  std::vector<std::vector<int>> attended(num_blocks);
-  for (int q = 0; q < num_blocks; ++q) {
-    int q_low = docs[q * block_size], q_high = docs[q * block_size + block_size - 1];
-    std::vector<int> partial, full;  // nearest first: descending kv block index
-    for (int kv = q; kv >= 0; --kv) {
-      int kv_low = docs[kv * block_size], kv_high = docs[kv * block_size + block_size - 1];
-      bool any = q_low <= kv_high && q_high >= kv_low;
-      bool all = kv < q && q_low == kv_high && q_high == kv_low;
-      if (all) full.push_back(kv);
-      else if (any) partial.push_back(kv);
-    }
-    int full_count = int(full.size());
-    int partial_keep = std::min(int(partial.size()), std::max(window_blocks - full_count, 1));
-    int full_keep = std::max(0, std::min(full_count, window_blocks - 1));
+  const int n = int(docs.size()) / block_size;
+  auto low = [&](int b) { return docs[b * block_size]; };
+  auto high = [&](int b) { return docs[b * block_size + block_size - 1]; };
+  auto any = [&](int q, int kv) { return q >= kv && low(q) <= high(kv) && high(q) >= low(kv); };
+  auto all = [&](int q, int kv) { return q > kv && low(q) == high(kv) && high(q) == low(kv); };
+  // dense_to_ordered of one row: the count of set blocks and argsort(stable).flip order.
+  auto ordered = [n](auto&& set, int q, int& count) {
+    std::vector<int> row(n), order(n);
+    count = 0;
+    for (int kv = 0; kv < n; ++kv) count += row[kv] = set(q, kv);
+    for (int kv = 0; kv < n; ++kv) order[kv] = kv;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return row[a] < row[b]; });
+    std::reverse(order.begin(), order.end());
+    return order;
+  };
+  std::vector<std::vector<int>> attended(n);
+  for (int q = 0; q < n; ++q) {
+    int partial_count, full_count;
+    std::vector<int> partial = ordered([&](int a, int b) { return any(a, b) && !all(a, b); }, q, partial_count);
+    std::vector<int> full = ordered(all, q, full_count);
+    const int partial_keep = std::min(partial_count, std::max(window_blocks - full_count, 1));
+    const int full_keep = std::max(0, std::min(full_count, window_blocks - 1));  // a count of -1 is none
     attended[q].assign(partial.begin(), partial.begin() + partial_keep);
     attended[q].insert(attended[q].end(), full.begin(), full.begin() + full_keep);
   }
