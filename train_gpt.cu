@@ -25,6 +25,7 @@
 #include "kernels/timeline.cuh"
 #include "kernels/watchdog.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -425,10 +426,16 @@ inline void write_checkpoint(const std::string& dir, const Checkpoint& c) {
       put(bytes.data(), bytes.size());
       put_u64(checkpoint_hash(bytes));
     }
-    if (!ok || std::fflush(out.get()) != 0 || ::fsync(::fileno(out.get())) != 0)
-      throw CheckpointError(temp + ": write failed: " + std::strerror(errno));
+    if (!ok || std::fflush(out.get()) != 0 || ::fsync(::fileno(out.get())) != 0) {
+      const std::string reason = std::strerror(errno);
+      out.reset();
+      std::filesystem::remove(temp);
+      throw CheckpointError(temp + ": write failed: " + reason);
+    }
   }
   std::filesystem::rename(temp, path);
+  const int folder = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);  // the rename itself reaches the disk
+  if (folder >= 0) ::fsync(folder), ::close(folder);
 }
 
 inline Checkpoint read_checkpoint(const std::string& path) {
@@ -1442,15 +1449,15 @@ class Optimizers {
 
 // Whether the ranks agree on a value (at most 40 bits, so that W of them sum exactly in a double),
 // decided alike on every rank: the value's SUM all-reduce equals W times the own value on every
-// rank only when all are equal, and each rank's verdict, with any problem of its own, is summed
-// too. A rank that throws alone would leave the others waiting in a collective.
+// rank only when all are equal, and each rank's verdict is summed too. A rank that threw alone
+// would leave the others waiting in a collective.
 struct RankVote {
-  bool stop;         // some rank differs or has a problem: every rank stops
-  bool mine_differs; // this rank's value is off the mean
+  bool stop;          // some rank differs: every rank stops
+  bool mine_differs;  // this rank's value is off the mean
 };
-inline RankVote vote_across_ranks(DeviceCommunicator& comm, double value, bool my_problem = false) {
+inline RankVote vote_across_ranks(DeviceCommunicator& comm, double value) {
   const bool differs = comm.all_reduce_sum(value) != value * comm.world_size();
-  return {comm.all_reduce_sum(differs || my_problem ? 1 : 0) > 0, differs};
+  return {comm.all_reduce_sum(differs ? 1 : 0) > 0, differs};
 }
 inline double low_40_bits(uint64_t v) { return double(v & ((uint64_t(1) << 40) - 1)); }
 
@@ -1610,7 +1617,8 @@ inline void check_writable(const std::string& dir) {
   std::filesystem::create_directories(dir, error);
   const std::string probe = dir + "/.write_probe";
   if (error || !std::ofstream(probe) || !std::filesystem::remove(probe, error))
-    throw std::runtime_error(dir + ": cannot write checkpoints there" + (error ? " (" + error.message() + ")" : ""));
+    throw std::runtime_error(dir + ": cannot write checkpoints there (" + (error ? error.message() : std::strerror(errno)) +
+                             ")");
 }
 
 inline PrefetchLoader training_loader(const Hyperparameters& h, int start_step, int rank, int world_size) {
@@ -1777,15 +1785,20 @@ class TrainingRun {
   }
 
  private:
-  // A data error mid-run (a shard's tokens are read when it is reached) saves the state first.
+  // A data error mid-run (a shard's tokens are read when it is reached) saves the state first,
+  // unless the step's checkpoint is written already or nothing was trained since the start.
   const RankBatch& next_batch(PrefetchLoader& loader, int step) {
     try {
       return loader.next();
     } catch (const DataError& e) {
       if (step == counters_.step) throw;
-      checkpoint(step);
-      throw DataError(std::string(e.what()) + "; the state of step " + std::to_string(step) + " is saved in " +
-                      checkpoint_path(checkpoint_dir_, step) + " (--resume continues from it)");
+      std::string saved = checkpoint_path(checkpoint_dir_, step);
+      try {
+        if (unconfirmed_step_ != step) checkpoint(step);
+      } catch (const std::exception& failed) {
+        saved = "no checkpoint (" + std::string(failed.what()) + ")";
+      }
+      throw DataError(std::string(e.what()) + "; the state of step " + std::to_string(step) + ": " + saved);
     }
   }
 
@@ -1811,26 +1824,24 @@ class TrainingRun {
   // different steps, stop them all (a rank left alone would wait in a collective).
   void resume() {
     beat("resume");
-    const std::string path = newest_checkpoint(checkpoint_dir_);
+    std::string path, problem, differences;
     Checkpoint c;
-    std::string problem, differences;
     try {
+      path = newest_checkpoint(checkpoint_dir_);
       if (path.empty()) throw CheckpointError("no checkpoint in " + checkpoint_dir_);
       c = read_checkpoint(path);
       differences = settings_differences(c, path);
       if (!differences.empty() && !h_.resume_other_settings)
         throw CheckpointError(path + ": written by a run with other settings: " + differences +
                               " (--resume-other-settings resumes anyway)");
-    } catch (const CheckpointError& e) {
+    } catch (const std::exception& e) {  // filesystem errors too: this rank must still vote
       problem = e.what();
     }
-    const int step = problem.empty() ? c.step : -1;
-    const RankVote vote = vote_across_ranks(*comm_, step, !problem.empty());
-    if (vote.stop && problem.empty())
-      problem = vote.mine_differs ? "the ranks' newest checkpoints are of different steps (rank " +
-                                        std::to_string(comm_->rank()) + " has step " + std::to_string(step) + ")"
-                                  : "another rank cannot resume (its error says why)";
-    if (vote.stop) throw std::runtime_error("--resume: " + problem);
+    if (comm_->all_reduce_sum(problem.empty() ? 0 : 1) > 0)
+      throw std::runtime_error("--resume: " + (problem.empty() ? "another rank cannot resume (its error says why)" : problem));
+    if (vote_across_ranks(*comm_, c.step).stop)
+      throw std::runtime_error("--resume: the ranks' newest checkpoints are of different steps (rank " +
+                               std::to_string(comm_->rank()) + " has step " + std::to_string(c.step) + ")");
     restore_state(c, path, state_, model_.params);
     counters_.step = c.step;
     last_checkpoint_ = path;

@@ -72,13 +72,13 @@ def bytes_missing(path):
     """How many bytes a shard that begins like path still lacks: positive for an intact beginning
     (header unread or valid, size below the header's), 0 or less when it cannot be completed."""
     size = os.path.getsize(path)
-    if size < HEADER_BYTES:
+    if size < 12:
         return HEADER_BYTES - size
     with open(path, "rb") as f:
         magic, version, count = struct.unpack("<3i", f.read(12))
     if magic != MAGIC or version != VERSION:
         return 0
-    return HEADER_BYTES + 2 * count - size
+    return max(HEADER_BYTES - size, HEADER_BYTES + 2 * count - size)
 
 
 def append_from(url, part, have):

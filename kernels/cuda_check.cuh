@@ -36,7 +36,6 @@
       cuda_fail(ncclGetErrorString(nccl_check_result_), #call, __FILE__, __LINE__);  \
   } while (0)
 
-// The trainer's kernels are built for Hopper (sm_90a); any other GPU is refused at start.
 // Makes GPU `device` (a process's local rank) current, with an error that says what is missing.
 inline void select_gpu(int device) {
   int count = 0;
@@ -50,6 +49,7 @@ inline void select_gpu(int device) {
   CUDA_CHECK(cudaSetDevice(device));
 }
 
+// The trainer's kernels are built for Hopper (sm_90a); any other GPU is refused at start.
 inline void require_hopper_gpu(int device) {
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device));

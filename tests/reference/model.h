@@ -333,11 +333,14 @@ inline void attention_forward(const AttentionShape& s, const std::vector<char>& 
     }
 }
 
-// Gradients of q, k, v (overwritten) from dy [T, H*hd].
+// Gradients of q, k, v (overwritten) from dy [T, H*hd]. row_correction = false leaves out the
+// softmax's row term (sum_u p_u dp_u), which cancels dq and dk almost to nothing where the softmax
+// is peaked: the uncancelled gradients are the scale of their rounding errors there.
 inline void attention_backward(const AttentionShape& s, const std::vector<double>& q,
                                const std::vector<double>& k, const std::vector<double>& v,
                                const std::vector<double>& probs, const std::vector<double>& dy,
-                               std::vector<double>& dq, std::vector<double>& dk, std::vector<double>& dv) {
+                               std::vector<double>& dq, std::vector<double>& dk, std::vector<double>& dv,
+                               bool row_correction = true) {
   const int T = s.T, H = s.H, hd = s.hd;
   dq.assign(q.size(), 0.0);
   dk.assign(k.size(), 0.0);
@@ -357,7 +360,7 @@ inline void attention_backward(const AttentionShape& s, const std::vector<double
       }
       for (int u = 0; u <= t; ++u) {
         if (p[u] == 0) continue;
-        double ds = p[u] * (dp[u] - weighted) * s.scale;
+        double ds = p[u] * (dp[u] - (row_correction ? weighted : 0.0)) * s.scale;
         for (int j = 0; j < hd; ++j) {
           dq[(size_t(t) * H + h) * hd + j] += ds * k[(size_t(u) * H + h) * hd + j];
           dk[(size_t(u) * H + h) * hd + j] += ds * q[(size_t(t) * H + h) * hd + j];
