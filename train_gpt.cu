@@ -1601,14 +1601,19 @@ inline double train_step(GPT& model, Activations& acts, Optimizers& optimizers, 
   return take_loss_total(acts, stream);
 }
 
-// Before any GPU work: enough training windows for the run, from the shards' headers.
-inline void check_training_data(const Hyperparameters& h) {
+// Before any GPU work, from the shards' headers: enough training windows for the run, and a
+// validation shard that holds the validation tokens.
+inline void check_data(const Hyperparameters& h) {
   const int64_t windows = BatchPlan(h.train_files, h.seq_len, h.micro_batches, kTokenizerVocab).windows_available();
   const int64_t needed = std::max(h.num_iterations, h.warmup_steps);
   if (windows < needed)
     throw DataError("the files matching '" + h.train_files + "' give " + std::to_string(windows) + " steps of " +
                     std::to_string(h.micro_batches) + " x " + std::to_string(h.seq_len) + " tokens; the run needs " +
                     std::to_string(needed) + " (fetch more shards, or shorten --num-iterations)");
+  if (h.val_tokens % h.val_seq_len != 0)
+    throw DataError("--val-tokens " + std::to_string(h.val_tokens) + " is not a multiple of --val-seq-len " +
+                    std::to_string(h.val_seq_len));
+  BatchPlan(h.val_files, h.val_seq_len, int(h.val_tokens / h.val_seq_len), kTokenizerVocab).windows_available();
 }
 
 // A folder the run will write into at the end: created, and a file written and removed, now.
@@ -1937,7 +1942,7 @@ class TrainingRun {
 };
 
 int run_training(const Hyperparameters& h) {
-  check_training_data(h);
+  check_data(h);
   const ProcessGroupEnv g = process_group_from_env();
   select_gpu(g.local_rank);
   require_hopper_gpu(g.local_rank);
