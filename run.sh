@@ -20,7 +20,7 @@ settings=() data=()
 names_train_files=false
 for arg in "$@"; do [[ $arg == --train-files || $arg == --train-files=* ]] && names_train_files=true; done
 if $names_train_files; then
-  :
+  :  # the flags name the data and its settings: nothing added
 elif compgen -G "data/fineweb10B/fineweb_train_*.bin" >/dev/null; then
   data=(--train-files "data/fineweb10B/fineweb_train_*.bin" --val-files "data/fineweb10B/fineweb_val_*.bin")
 else

@@ -493,19 +493,25 @@ inline std::string newest_checkpoint(const std::string& dir) {
   return newest;
 }
 
+// "name=value" lines, numbers exact, of the flags `keep` accepts by name.
+inline std::string exact_flag_lines(Hyperparameters h, const std::function<bool(const std::string&)>& keep) {
+  std::string lines;
+  for (const Flag& f : flag_table(h))
+    if (keep(f.name)) lines += f.name + "=" + flag_value_text(f, /*exact=*/true) + "\n";
+  return lines;
+}
+
 // The flags a checkpoint's state depends on (the data, the batch, the schedules, the optimizers'
 // settings, the head, the gradient traffic) and the world size, as "name=value" lines: a resumed
 // run must have the same, or it would not continue the same run.
-inline std::string resume_flags(Hyperparameters h, int world_size) {
+inline std::string resume_flags(const Hyperparameters& h, int world_size) {
   static const char* const names[] = {
       "train-files", "seq-len", "micro-batches", "num-iterations", "cooldown-frac", "adam-lr", "adam-beta1",
       "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
       "muon-momentum-warmup", "bf16-head", "grad-comm"};
-  std::string lines = "world-size=" + std::to_string(world_size) + "\n";
-  for (const Flag& f : flag_table(h))
-    if (std::find(std::begin(names), std::end(names), f.name) != std::end(names))
-      lines += f.name + "=" + flag_value_text(f, /*exact=*/true) + "\n";
-  return lines;
+  return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [](const std::string& name) {
+           return std::find(std::begin(names), std::end(names), name) != std::end(names);
+         });
 }
 
 // "" when the checkpoint's flags equal this run's, else each difference.
@@ -1478,9 +1484,7 @@ inline void check_rank_consistency(const ParameterStore& params, DeviceCommunica
 
 // Every rank must run with the same flags, or their collectives would stop matching.
 inline void check_same_flags(const Hyperparameters& h, DeviceCommunicator& comm) {
-  Hyperparameters copy = h;
-  std::string text;
-  for (const Flag& f : flag_table(copy)) text += f.name + "=" + flag_value_text(f, /*exact=*/true) + "\n";
+  const std::string text = exact_flag_lines(h, [](const std::string&) { return true; });
   if (vote_across_ranks(comm, low_40_bits(std::hash<std::string>{}(text))).stop)
     throw std::runtime_error("the ranks were started with different flags (rank " + std::to_string(comm.rank()) +
                              "'s: " + text.substr(0, text.size() - 1) + ")");

@@ -13,9 +13,14 @@
 // The reference divides by 7.5 sqrt(d), which inductor turns into a product with the double's
 // reciprocal rounded to fp32 (one ulp from the fp32 reciprocal of the fp32 divisor).
 struct Softcap {
+  static float reciprocal_divisor(int model_dim) { return float(1 / (7.5 * std::sqrt(double(model_dim)))); }
+  static Softcap for_model_dim(int model_dim) {
+    Softcap s;
+    s.inv_divisor = reciprocal_divisor(model_dim);
+    return s;
+  }
   float cap = 30.0f;
-  float inv_divisor = float(1 / (7.5 * std::sqrt(768.0)));
-  static Softcap for_model_dim(int model_dim) { return {30.0f, float(1 / (7.5 * std::sqrt(double(model_dim))))}; }
+  float inv_divisor = reciprocal_divisor(768);
 };
 
 constexpr int kCrossEntropyThreads = 1024;
