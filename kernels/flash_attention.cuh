@@ -10,6 +10,7 @@
 // c ^ (r & 7), so the 8 row addresses of every ldmatrix hit distinct banks.
 #pragma once
 #include "kernels/attention.cuh"
+#include "kernels/ptx.cuh"
 
 namespace flash {
 
@@ -24,42 +25,17 @@ __device__ inline int swizzled(int row, int col) {  // col: element index, chunk
   return row * kAttentionHeadDim + (((col >> 3) ^ (row & 7)) << 3) + (col & 7);
 }
 
-__device__ inline uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
 // rows [0, 128) of a [T, stride] matrix from `src` into a swizzled tile, 16 bytes per cp.async.
 __device__ inline void load_tile_async(bf16* tile, const bf16* src, int64_t stride) {
   for (int i = threadIdx.x; i < kTile * 16; i += kThreads) {
     int row = i / 16, chunk = i % 16;
-    const bf16* from = src + row * stride + chunk * 8;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(tile + swizzled(row, chunk * 8))),
-                 "l"(from));
+    ptx::cp_async_16(tile + swizzled(row, chunk * 8), src + row * stride + chunk * 8);
   }
 }
 
 __device__ inline void wait_tiles() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
+  ptx::cp_async_wait_all();
   __syncthreads();
-}
-
-__device__ inline void ldmatrix_x4(uint32_t r[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p)));
-}
-
-__device__ inline void ldmatrix_x4_trans(uint32_t r[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p)));
-}
-
-// c[16 x 8] += a[16 x 16] b[16 x 8], bf16 operands, fp32 accumulation.
-__device__ inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ inline uint32_t pack_bf16(float lo, float hi) {
@@ -76,13 +52,13 @@ __device__ inline void mma_a_bt(float (&acc)[N][4], const bf16* a, int a_row, co
 #pragma unroll
   for (int kk = 0; kk < kAttentionHeadDim / 16; ++kk) {
     uint32_t af[4];
-    ldmatrix_x4(af, a + swizzled(a_row + lane % 8 + (lane / 8) % 2 * 8, kk * 16 + lane / 16 * 8));
+    ptx::ldmatrix_x4(af, a + swizzled(a_row + lane % 8 + (lane / 8) % 2 * 8, kk * 16 + lane / 16 * 8));
 #pragma unroll
     for (int np = 0; np < N / 2; ++np) {
       uint32_t bf[4];
-      ldmatrix_x4(bf, b + swizzled(b_row + np * 16 + lane % 8 + lane / 16 * 8, kk * 16 + (lane / 8) % 2 * 8));
-      mma(acc[2 * np], af, bf[0], bf[1]);
-      mma(acc[2 * np + 1], af, bf[2], bf[3]);
+      ptx::ldmatrix_x4(bf, b + swizzled(b_row + np * 16 + lane % 8 + lane / 16 * 8, kk * 16 + (lane / 8) % 2 * 8));
+      ptx::mma_bf16_16x8x16(acc[2 * np], af, bf[0], bf[1]);
+      ptx::mma_bf16_16x8x16(acc[2 * np + 1], af, bf[2], bf[3]);
     }
   }
 }
@@ -100,9 +76,9 @@ __device__ inline void mma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const flo
 #pragma unroll
     for (int np = 0; np < kAttentionHeadDim / 16; ++np) {
       uint32_t bf[4];
-      ldmatrix_x4_trans(bf, b + swizzled(b_row + kk * 16 + lane % 8 + (lane / 8) % 2 * 8, np * 16 + lane / 16 * 8));
-      mma(acc[2 * np], af, bf[0], bf[1]);
-      mma(acc[2 * np + 1], af, bf[2], bf[3]);
+      ptx::ldmatrix_x4_trans(bf, b + swizzled(b_row + kk * 16 + lane % 8 + (lane / 8) % 2 * 8, np * 16 + lane / 16 * 8));
+      ptx::mma_bf16_16x8x16(acc[2 * np], af, bf[0], bf[1]);
+      ptx::mma_bf16_16x8x16(acc[2 * np + 1], af, bf[2], bf[3]);
     }
   }
 }

@@ -3,9 +3,12 @@
 // against W = 1, from identical weights over the same global batches: after K steps every rank's
 // parameters and every optimizer state (Adam slices, Muon momentum of owned matrices) agree with
 // the W = 1 run. Not bitwise: W = 1 sums the micro-sequences' gradients in one fp32 buffer, W > 1
-// sums per rank and then across ranks (another fp32 order), and the bf16 weight copies round the
-// difference on. Bound 1e-3 (to calibrate on the first GPU run); every injected bug of SPEC 4.4
-// must exceed it: Adam and Muon barely see a gradient scale, but their states do. The reductions go
+// sums per rank and then across ranks (another fp32 order), and the bf16 weight copies and the
+// bf16 Newton-Schulz round the difference on, step after step (after one step the parameters agree
+// bitwise). The CPU emulator (tests/emulator), rounding as the GPU does, measured after 3 steps a
+// worst error of 6.5e-2 (W = 2) and 7.1e-2 (W = 3) with fp32 traffic, always in the scalars' Adam v
+// (their gradients cancel 10-100x, see model_fixture.h); every injected bug of SPEC 4.4 gave 0.94
+// or more: Adam and Muon barely see a gradient scale, but their states do. The reductions go
 // out during the backward of each rank's last micro-sequence (Optimizers::gradients_done), so the
 // oracle covers that schedule too, including ranks that have no micro-sequence (W > M).
 #include "gpu/model_fixture.h"
@@ -20,8 +23,21 @@ namespace {
 
 using namespace fixture;
 
+// K = 3: the record's zero lm_head and c_proj leave the qkv and c_fc gradients zero until step 2.
+// The emulator needs 1-1.5 minutes per run: it checks a subset of the cases.
 constexpr int kT = 256, kMicro = 8, kSteps = 3;
-constexpr double kBound = 1e-3;
+constexpr double kBound = 0.15;      // fp32 traffic
+constexpr double kBf16Bound = 0.3;   // bf16 traffic rounds every partial sum once more
+constexpr double kBugFloor = 0.5;    // what every injected bug must exceed
+
+// (grad-comm mode, W) pairs of the first test: all of them on a GPU, three on the emulator.
+std::vector<std::pair<std::string, int>> oracle_cases() {
+  if (kEmulated) return {{"fp32-rs", 3}, {"fp32-rs", 8}, {"a2a-fp32acc", 8}};
+  std::vector<std::pair<std::string, int>> all;
+  for (const char* mode : {"fp32-rs", "bf16-rs", "a2a-fp32acc"})
+    for (int W : {2, 3, 4, 8}) all.push_back({mode, W});
+  return all;
+}
 
 using Snapshot = std::map<std::string, std::vector<double>>;  // name -> values (params and states)
 
@@ -129,19 +145,21 @@ std::vector<double> span_starts(const std::string& trace_path, const std::string
 }  // namespace
 
 TEST_CASE("W = 2, 3, 4, 8 simulated ranks reproduce W = 1: parameters and optimizer states, every grad-comm mode") {
-  for (const char* mode : {"fp32-rs", "bf16-rs", "a2a-fp32acc"})
-    for (int W : {2, 3, 4, 8}) {
-      std::string where;
-      double error = worst_error(single_rank_result(), train_ranks(W, mode, token_stream()), where);
-      // bf16 gradient traffic rounds every partial sum once more: a bf16 bound there.
-      double bound = std::string(mode) == "fp32-rs" ? kBound : 2e-2;
-      std::printf("  %-12s W = %d: worst relative error %.3e (%s), bound %.0e\n", mode, W, error, where.c_str(), bound);
-      CHECK(error <= bound);
-    }
+  for (const auto& [mode, W] : oracle_cases()) {
+    std::string where;
+    double error = worst_error(single_rank_result(), train_ranks(W, mode, token_stream()), where);
+    double bound = mode == "fp32-rs" ? kBound : kBf16Bound;
+    std::printf("  %-12s W = %d: worst relative error %.3e (%s), bound %.2g\n", mode.c_str(), W, error, where.c_str(),
+                bound);
+    CHECK(error <= bound);
+  }
 }
 
 TEST_CASE("real NCCL with one rank runs the same steps as W = 1 without communication, bitwise") {
-  for (const char* mode : {"fp32-rs", "bf16-rs", "a2a-fp32acc"}) {  // the bf16 modes round at W = 1 too
+  // The bf16 modes round at W = 1 too; the emulator checks the mode that sends and receives.
+  const std::vector<const char*> modes =
+      kEmulated ? std::vector<const char*>{"a2a-fp32acc"} : std::vector<const char*>{"fp32-rs", "bf16-rs", "a2a-fp32acc"};
+  for (const char* mode : modes) {
     std::string where;
     const Snapshot alone = train_ranks(1, mode, token_stream())[0];
     double error = worst_error(alone, train_ranks(1, mode, token_stream(), Backend::nccl), where);
@@ -153,7 +171,7 @@ TEST_CASE("real NCCL with one rank runs the same steps as W = 1 without communic
 TEST_CASE("W = 16 > M = 8: ranks without a micro-sequence take part in every collective and in the mean loss") {
   std::string where;
   double error = worst_error(single_rank_result(), train_ranks(16, "fp32-rs", token_stream()), where);
-  std::printf("  fp32-rs      W = 16: worst relative error %.3e (%s), bound %.0e\n", error, where.c_str(), kBound);
+  std::printf("  fp32-rs      W = 16: worst relative error %.3e (%s), bound %.2g\n", error, where.c_str(), kBound);
   CHECK(error <= kBound);
 }
 
@@ -173,7 +191,7 @@ TEST_CASE("every injected distributed bug makes the GPU oracle fail") {
     std::string where;
     double error = worst_error(single_rank_result(), ranks, where);
     std::printf("  %-26s W = 4: worst relative error %.3e (%s)\n", fault_name(fault), error, where.c_str());
-    CHECK(error > 100 * kBound);
+    CHECK(error > kBugFloor);
   }
 }
 

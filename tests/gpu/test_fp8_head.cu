@@ -307,7 +307,7 @@ TEST_CASE("quantisation: the reference's casts byte for byte, plain and transpos
 
 TEST_CASE("forward, dx and accumulated dW against fp64 sums over the same FP8 operands") {
   check_products(256, 1024, 256, 256, 1024, 21);
-  check_products(8192, 50304, 768, 24, 48, 22);  // the record's chunk
+  if (at_record_shapes("the record's chunk")) check_products(8192, 50304, 768, 24, 48, 22);
 }
 
 TEST_CASE("against the reference model's FP8 head (SPEC 1.5 in fp64)") {

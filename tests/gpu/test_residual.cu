@@ -103,12 +103,12 @@ void check_weighted_sum(int T, int d, int x_stride, uint64_t seed) {
 
 TEST_CASE("embedding: gather forward, deterministic scaled backward accumulating into fp32") {
   check_embedding(1024, 512, 64, 1);
-  check_embedding(49152, 50304, 768, 2);  // the record's micro-sequence and table
+  if (at_record_shapes("the record's micro-sequence and table")) check_embedding(49152, 50304, 768, 2);
 }
 
 TEST_CASE("weighted sum a x + b y: forward, backward with scalar gradients, strided x") {
   check_weighted_sum(512, 64, 64, 10);
-  check_weighted_sum(49152, 768, 768, 11);      // block lambdas at the record's shape
+  if (at_record_shapes("block lambdas at the record's shape")) check_weighted_sum(49152, 768, 768, 11);
   check_weighted_sum(4096, 768, 3 * 768, 12);   // the value mix on the v third of qkv
 }
 

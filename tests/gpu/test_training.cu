@@ -4,10 +4,10 @@
 // - optimizer step on identical gradients: fp32 Adam 1e-4 on the update, bf16 embeddings 5e-3 on
 //   the parameter (one bf16 rounding), Muon 3e-2 on the update (Newton-Schulz in bf16);
 // - K steps from identical weights: the mean loss of every step 1e-2. Parameters after K steps:
-//   Muon matrices 5e-2 on their change; Adam parameters 0.25 on their change, because in its first
-//   steps Adam moves every element by about +-lr whatever its gradient's size, so the elements whose
-//   gradient is below the bf16 noise of the backward flip sign. A wrong learning rate, multiplier
-//   or sign gives errors of 1 or more.
+//   Muon matrices 0.3 on their change (kMuonChangeAfterKSteps); Adam parameters 0.25 on their
+//   change, because in its first steps Adam moves every element by about +-lr whatever its
+//   gradient's size, so the elements whose gradient is below the bf16 noise of the backward flip
+//   sign. A wrong learning rate, multiplier or sign gives errors of 1 or more.
 #include "gpu/model_fixture.h"
 #include "reference/training.h"
 
@@ -18,6 +18,12 @@ namespace {
 using namespace fixture;
 
 constexpr int kT = 512, kMicro = 2, kSteps = 3;
+// Muon matrices after K steps: orthogonalisation lifts every singular direction of the momentum to
+// about 1, also the weak ones that the gradients' bf16 noise (1-2%, test_model) dominates, so the
+// change differs by more than the gradients do. The CPU emulator, rounding as the GPU does, gave
+// 0.10-0.19 (c_fc lowest, qkv highest); with Muon's learning rate 25% too large it gave 0.28-0.40,
+// and a wrong shape scale, momentum or sign gives 0.5-1+.
+constexpr double kMuonChangeAfterKSteps = 0.3;
 
 RecipeConfig reference_recipe(const Hyperparameters& h) {
   return {reference_config(), schedule_of(h), AdamConfig{}, MuonConfig{}};
@@ -110,7 +116,7 @@ TEST_CASE("K training steps from identical weights follow the reference recipe")
     std::printf("  step %d: loss gpu %.6f reference %.6f\n", step, loss, reference_loss);
     CHECK(std::fabs(loss - reference_loss) <= 1e-2 * std::fabs(reference_loss));
   }
-  check_parameter_changes(model.params, initial, reference.params, 5e-2, 0.25, 0);
+  check_parameter_changes(model.params, initial, reference.params, kMuonChangeAfterKSteps, 0.25, 0);
 }
 
 TEST_CASE("M = 8 micro-sequences give the gradients of M = 1 over their concatenation") {
@@ -136,7 +142,7 @@ TEST_CASE("M = 8 micro-sequences give the gradients of M = 1 over their concaten
   for (size_t p = 0; p < model.params.list.size(); ++p) {
     double error = relative_error(grads_micro[p], download_grad(model.params, model.params.list[p]));
     std::printf("  %-28s grad rel. error %.2e\n", model.params.list[p].name.c_str(), error);
-    CHECK(error <= 2e-2);
+    CHECK(error <= grad_bound_of(model.params.list[p], 2e-2));
   }
 }
 

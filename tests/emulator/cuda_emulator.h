@@ -1,0 +1,129 @@
+// A CPU emulator of the CUDA the kernels use, so that the GPU tests also run where there is no GPU
+// (CI, and every session without one). Force-included (-include) into sources that
+// tests/emulator/translate.py has rewritten: `k<<<grid, block, smem, stream>>>(args)` becomes
+// emu::launch(...), `extern __shared__ T name[]` becomes emu::dynamic_shared<T>(), and
+// kernels/ptx.cuh is replaced by tests/emulator/ptx.cuh.
+//
+// Each CUDA thread of a block is a fiber (its own stack, switched cooperatively on one host
+// thread), so __syncthreads and the warp-synchronous operations (shuffles, ldmatrix, mma) meet
+// exactly as on the GPU, and a barrier some threads never reach is reported as a deadlock. Blocks
+// run one after another; every launch and copy completes before its call returns (streams and
+// events only order what is already ordered). What this cannot show: races between streams,
+// timing, and the GPU's own rounding of fast intrinsics (__expf is expf here).
+#pragma once
+#define __shared__ static thread_local  // per host thread: simulated ranks launch concurrently
+#define __launch_bounds__(...)
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <utility>
+
+#define SPEEDRUN_EMULATED 1
+
+namespace emu {
+
+struct ThreadPosition {
+  dim3 thread, block, block_dim, grid_dim;
+};
+const ThreadPosition& position();  // of the running CUDA thread
+
+void sync_threads();
+// Every lane of the running thread's warp passes `in_bytes` at `in`; all of them meet, the last to
+// arrive calls combine(inputs [32][in_bytes], outputs [32][out_bytes]) once for the warp, and each
+// lane gets its output row in `out` (without `combine`: every lane's input, [32][in_bytes]). `what` names the operation: lanes that meet in different
+// operations are a bug, reported as such. Rows are at most 32 bytes.
+using WarpCombine = void (*)(const void* inputs, void* outputs);
+void warp_collective(const char* what, const void* in, size_t in_bytes, void* out, size_t out_bytes,
+                     WarpCombine combine);
+inline void warp_exchange(const char* what, const void* mine, void* all, size_t bytes) {
+  warp_collective(what, mine, bytes, all, 0, nullptr);
+}
+void* dynamic_shared_memory();
+
+template <typename T>
+T* dynamic_shared() {
+  return static_cast<T*>(dynamic_shared_memory());
+}
+
+struct LaunchConfig {
+  LaunchConfig(dim3 grid, dim3 block, size_t shared_bytes = 0, cudaStream_t stream = nullptr)
+      : grid(grid), block(block), shared_bytes(shared_bytes) {
+    (void)stream;
+  }
+  dim3 grid, block;
+  size_t shared_bytes;
+};
+
+// Runs body once per thread of every block; records a launch error as cudaGetLastError reports it.
+void run_grid(const void* kernel, const LaunchConfig& config, const std::function<void()>& body);
+
+// `call` invokes the kernel with its arguments (a generic lambda: a kernel template is deduced as
+// <<<>>> deduces it); `kernel` is its address, or null for a deduced template.
+template <typename Call, typename... Args>
+void launch(const LaunchConfig& config, const void* kernel, Call call, Args&&... args) {
+  std::tuple<std::decay_t<Args>...> copied(std::forward<Args>(args)...);  // once, as a launch copies them
+  run_grid(kernel, config, [&] { std::apply(call, copied); });
+}
+
+template <typename T>
+T shuffle_xor(T v, int lane_mask) {
+  T all[32];
+  warp_exchange("shfl.xor", &v, all, sizeof(T));
+  return all[(position().thread.x % 32) ^ lane_mask];
+}
+
+template <typename T>
+T shuffle(T v, int src_lane) {
+  T all[32];
+  warp_exchange("shfl.idx", &v, all, sizeof(T));
+  return all[src_lane % 32];
+}
+
+}  // namespace emu
+
+#define threadIdx (::emu::position().thread)
+#define blockIdx (::emu::position().block)
+#define blockDim (::emu::position().block_dim)
+#define gridDim (::emu::position().grid_dim)
+
+inline void __syncthreads() { ::emu::sync_threads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  int unused = 0, all[32];
+  ::emu::warp_exchange("syncwarp", &unused, all, sizeof unused);
+}
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask, int = 32) {
+  return ::emu::shuffle_xor(v, lane_mask);
+}
+template <typename T>
+T __shfl_sync(unsigned, T v, int src_lane, int = 32) {
+  return ::emu::shuffle(v, src_lane);
+}
+
+// Fibers never run at the same time, so a read-modify-write is atomic; the builtins also order
+// kernels of concurrent host threads (simulated ranks) that share a counter.
+template <typename T>
+T atomicAdd(T* address, T value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+inline float atomicAdd(float* address, float value) {
+  float old = *address;
+  *address = old + value;
+  return old;
+}
+
+inline float __expf(float x) { return std::exp(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+template <typename... Params>  // cuda_runtime.h declares this overload for nvcc only
+cudaError_t cudaFuncSetAttribute(void (*kernel)(Params...), cudaFuncAttribute attribute, int value) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), attribute, value);
+}

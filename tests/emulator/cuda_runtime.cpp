@@ -1,0 +1,180 @@
+// The CUDA runtime API calls the trainer and the tests make, on host memory: every call completes
+// before it returns, so streams and events need no queue. Device allocations are poisoned (0xFF:
+// NaN in fp32 and bf16), as fresh GPU memory holds whatever was there before; the device reports
+// itself as an H100 (sm_90, 132 SMs).
+#include "emulator/cuda_emulator.h"
+#include "emulator/runtime.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+
+namespace emu {
+namespace {
+
+constexpr size_t kDefaultDynamicShared = 48 << 10, kMaxDynamicShared = 227 << 10;
+constexpr size_t kDeviceBytes = size_t(80) << 30;
+
+std::mutex registry_mutex;
+std::map<const void*, size_t> allocations;        // device pointer -> bytes
+std::map<const void*, size_t> shared_limits;      // kernel -> dynamic shared memory bytes allowed
+thread_local cudaError_t last_error = cudaSuccess;
+
+struct Event {
+  std::chrono::steady_clock::time_point recorded;
+};
+
+cudaError_t allocate(void** p, size_t bytes, bool device) {
+  *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+  if (!*p) return cudaErrorMemoryAllocation;
+  if (device) {
+    std::memset(*p, 0xFF, bytes);
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    allocations[*p] = bytes;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+void record_launch_error(cudaError_t error) { last_error = error; }
+
+size_t max_dynamic_shared_bytes(const void* kernel) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = shared_limits.find(kernel);
+  return it == shared_limits.end() ? kDefaultDynamicShared : it->second;
+}
+
+}  // namespace emu
+
+using namespace emu;
+
+cudaError_t cudaMalloc(void** p, size_t bytes) { return allocate(p, bytes, true); }
+cudaError_t cudaMallocHost(void** p, size_t bytes) { return allocate(p, bytes, false); }
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return allocate(p, bytes, false); }
+cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* p) {
+  if (!p) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (allocations.erase(p) == 0) return cudaErrorInvalidValue;
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
+  size_t used = 0;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (auto& [p, bytes] : allocations) used += bytes;
+  }
+  *total = kDeviceBytes;
+  *free = used < kDeviceBytes ? kDeviceBytes - used : 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+  if (bytes) std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  return cudaMemcpy(dst, src, bytes, kind);
+}
+cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) { return cudaMemset(p, value, bytes); }
+
+// Streams are distinct handles that order nothing: every call has finished when it returns.
+// Events keep the host time of their last record, for cudaEventElapsedTime.
+template <typename Handle, typename Object>
+cudaError_t create(Handle* handle, Object initial) {
+  *handle = reinterpret_cast<Handle>(new Object(initial));
+  return cudaSuccess;
+}
+template <typename Object, typename Handle>
+cudaError_t destroy(Handle handle) {
+  delete reinterpret_cast<Object*>(handle);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) { return create(s, char{}); }
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return create(s, char{}); }
+cudaError_t cudaStreamDestroy(cudaStream_t s) { return destroy<char>(s); }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return create(e, Event{}); }
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return create(e, Event{}); }
+cudaError_t cudaEventDestroy(cudaEvent_t e) { return destroy<Event>(e); }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+  reinterpret_cast<Event*>(e)->recorded = std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  *ms = std::chrono::duration<float, std::milli>(reinterpret_cast<Event*>(end)->recorded -
+                                                 reinterpret_cast<Event*>(start)->recorded)
+            .count();
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (device != 0) return cudaErrorInvalidDevice;
+  *prop = cudaDeviceProp{};
+  std::strcpy(prop->name, "CUDA emulator (H100-like)");
+  prop->major = 9;
+  prop->minor = 0;
+  prop->multiProcessorCount = 132;
+  prop->totalGlobalMem = kDeviceBytes;
+  prop->sharedMemPerBlock = kDefaultDynamicShared;
+  prop->sharedMemPerBlockOptin = kMaxDynamicShared;
+  prop->maxThreadsPerBlock = 1024;
+  prop->warpSize = 32;
+  return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int* version) {
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+cudaError_t cudaDriverGetVersion(int* version) {
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attribute, int value) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+  if (value < 0 || size_t(value) > kMaxDynamicShared) return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  shared_limits[kernel] = size_t(value);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError() {
+  cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() { return last_error; }
+const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    default: return "emulated CUDA error";
+  }
+}

@@ -1,0 +1,258 @@
+// The emulator's CUDA threads: one fiber per thread of a block, switched on the launching host
+// thread; barriers and warp exchanges as the GPU meets them (see cuda_emulator.h).
+#include "emulator/cuda_emulator.h"
+#include "emulator/runtime.h"
+
+#include <sys/mman.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+// switch_stack(save, load): saves the callee-saved registers on the current stack, stores its
+// pointer in *save, and continues on the stack `load` saved earlier. The SSE and x87 control words
+// are not switched: no kernel changes rounding modes, and restoring them would double the cost.
+extern "C" void emu_switch_stack(void** save, void* load);
+extern "C" void emu_fiber_start();
+asm(R"(
+  .text
+  .globl emu_switch_stack
+  .type emu_switch_stack, @function
+emu_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch_stack, .-emu_switch_stack
+
+  .globl emu_fiber_start
+  .type emu_fiber_start, @function
+emu_fiber_start:
+  movq %rbx, %rdi
+  callq *%r12
+  ud2
+  .size emu_fiber_start, .-emu_fiber_start
+)");
+#else
+#error "the CUDA emulator switches stacks with x86-64 assembly; port emu_switch_stack to this CPU"
+#endif
+
+namespace emu {
+namespace {
+
+constexpr size_t kStackBytes = size_t(256) << 10;
+constexpr size_t kGuardBytes = 4096;
+constexpr int kMaxThreadsPerBlock = 1024;
+constexpr size_t kSlotBytes = 32;
+
+[[noreturn]] void fatal(const std::string& what) {
+  std::fprintf(stderr, "CUDA emulator: %s\n", what.c_str());
+  std::abort();
+}
+
+// A stack with a guard page below it: an overflow faults instead of corrupting a neighbour.
+struct Stack {
+  Stack() {
+    base = static_cast<char*>(mmap(nullptr, kStackBytes + kGuardBytes, PROT_READ | PROT_WRITE,
+                                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    if (base == MAP_FAILED) fatal("cannot map a fiber stack");
+    mprotect(base, kGuardBytes, PROT_NONE);
+  }
+  ~Stack() { munmap(base, kStackBytes + kGuardBytes); }
+  Stack(const Stack&) = delete;
+  Stack& operator=(const Stack&) = delete;
+  char* top() const { return base + kGuardBytes + kStackBytes; }
+  char* base;
+};
+
+struct Warp {
+  int live = 0, arrived = 0;
+  unsigned generation = 0;
+  const char* what = nullptr;
+  // By generation parity: a lane may enter the next operation while others still read this one.
+  alignas(16) unsigned char inputs[2][32 * kSlotBytes], outputs[2][32 * kSlotBytes];
+};
+
+struct Fiber {
+  void* sp = nullptr;
+  bool done = false;
+  ThreadPosition position;
+};
+
+// The block being run on this host thread.
+struct Block {
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  int live = 0, arrived = 0;
+  unsigned generation = 0;
+  bool progressed = false;
+  std::vector<unsigned char> shared;  // dynamic shared memory
+  const std::function<void()>* body = nullptr;
+};
+
+struct HostThread {
+  std::vector<std::unique_ptr<Stack>> stacks;
+  void* scheduler_sp = nullptr;
+  Fiber* running = nullptr;
+  Block block;
+};
+
+thread_local HostThread host;
+
+void yield() { emu_switch_stack(&host.running->sp, host.scheduler_sp); }
+
+int linear_index(const ThreadPosition& p) {
+  return int(p.thread.x + p.block_dim.x * (p.thread.y + p.block_dim.y * p.thread.z));
+}
+
+void fiber_main(void*) {
+  (*host.block.body)();
+  Fiber& me = *host.running;
+  me.done = true;
+  Block& b = host.block;
+  --b.live;
+  --b.warps[linear_index(me.position) / 32].live;
+  b.progressed = true;
+  if (b.arrived > 0 && b.arrived == b.live) {  // the exited thread was the last one a barrier waited for
+    b.arrived = 0;
+    ++b.generation;
+  }
+  emu_switch_stack(&me.sp, host.scheduler_sp);
+  fatal("a finished fiber was resumed");
+}
+
+void* initial_stack(char* top) {
+  // emu_switch_stack pops six registers, then returns to emu_fiber_start, which calls r12(rbx)
+  // with the stack 16-byte aligned.
+  auto* sp = reinterpret_cast<uint64_t*>(top) - 2;
+  *--sp = reinterpret_cast<uint64_t>(&emu_fiber_start);
+  *--sp = 0;                                          // rbp
+  *--sp = 0;                                          // rbx: fiber_main's argument
+  *--sp = reinterpret_cast<uint64_t>(&fiber_main);    // r12
+  *--sp = 0;                                          // r13
+  *--sp = 0;                                          // r14
+  *--sp = 0;                                          // r15
+  return sp;
+}
+
+void run_block(const LaunchConfig& c, dim3 block_index) {
+  Block& b = host.block;
+  const int threads = int(c.block.x * c.block.y * c.block.z), warps = (threads + 31) / 32;
+  while (int(host.stacks.size()) < threads) host.stacks.push_back(std::make_unique<Stack>());
+  b.fibers.assign(threads, Fiber{});
+  b.warps.assign(warps, Warp{});
+  for (int i = 0; i < threads; ++i) {
+    Fiber& f = b.fibers[i];
+    f.position = {dim3(i % c.block.x, i / c.block.x % c.block.y, i / (c.block.x * c.block.y)), block_index, c.block,
+                  c.grid};
+    f.sp = initial_stack(host.stacks[i]->top());
+    ++b.warps[i / 32].live;
+  }
+  b.live = threads;
+  b.arrived = 0;
+  // Shared memory starts as garbage on the GPU: poisoned here, so a read before a write shows.
+  std::memset(b.shared.data(), 0xFF, b.shared.size());
+  for (int done = 0; done < threads;) {
+    b.progressed = false;
+    done = 0;
+    for (Fiber& f : b.fibers) {
+      if (f.done) {
+        ++done;
+        continue;
+      }
+      host.running = &f;
+      emu_switch_stack(&host.scheduler_sp, f.sp);
+      host.running = nullptr;
+    }
+    if (!b.progressed && done < threads)
+      fatal("deadlock in block (" + std::to_string(block_index.x) + ", " + std::to_string(block_index.y) + ", " +
+            std::to_string(block_index.z) + "): threads wait at a barrier or warp operation that others never reach");
+  }
+}
+
+}  // namespace
+
+const ThreadPosition& position() {
+  if (!host.running) fatal("threadIdx and friends read outside a kernel");
+  return host.running->position;
+}
+
+void* dynamic_shared_memory() { return host.block.shared.data(); }
+
+void sync_threads() {
+  Block& b = host.block;
+  const unsigned generation = b.generation;
+  b.progressed = true;
+  if (++b.arrived == b.live) {
+    b.arrived = 0;
+    ++b.generation;
+    return;
+  }
+  while (b.generation == generation) yield();
+}
+
+void warp_collective(const char* what, const void* in, size_t in_bytes, void* out, size_t out_bytes,
+                     WarpCombine combine) {
+  if (in_bytes > kSlotBytes || out_bytes > kSlotBytes) fatal("a warp operation on more than 32 bytes per lane");
+  Block& b = host.block;
+  const int lane_linear = linear_index(host.running->position);
+  Warp& w = b.warps[lane_linear / 32];
+  const int lane = lane_linear % 32;
+  const int lanes = std::min(32, int(b.fibers.size()) - lane_linear / 32 * 32);
+  if (w.live != lanes)
+    fatal(std::string(what) + ": a warp operation with a full mask after some lanes of the warp exited");
+  if (w.arrived == 0) w.what = what;
+  if (w.what != what && std::strcmp(w.what, what) != 0)
+    fatal(std::string("lanes of one warp meet in different operations: ") + w.what + " and " + what);
+  const unsigned generation = w.generation, parity = generation % 2;
+  std::memcpy(w.inputs[parity] + lane * in_bytes, in, in_bytes);
+  b.progressed = true;
+  if (++w.arrived == w.live) {
+    if (combine) combine(w.inputs[parity], w.outputs[parity]);
+    w.arrived = 0;
+    ++w.generation;
+  } else {
+    while (w.generation == generation) yield();
+  }
+  if (combine)
+    std::memcpy(out, w.outputs[parity] + lane * out_bytes, out_bytes);
+  else
+    std::memcpy(out, w.inputs[parity], 32 * in_bytes);
+}
+
+void run_grid(const void* kernel, const LaunchConfig& c, const std::function<void()>& body) {
+  const size_t threads = size_t(c.block.x) * c.block.y * c.block.z;
+  if (threads == 0 || threads > kMaxThreadsPerBlock || c.block.z > 64 || c.grid.x == 0 || c.grid.y == 0 ||
+      c.grid.z == 0 || c.grid.y > 65535 || c.grid.z > 65535) {
+    record_launch_error(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (c.shared_bytes > max_dynamic_shared_bytes(kernel)) {
+    record_launch_error(cudaErrorInvalidValue);
+    return;
+  }
+  if (host.running) fatal("a kernel launched from inside a kernel");
+  Block& b = host.block;
+  b.body = &body;
+  b.shared.assign(c.shared_bytes, 0);
+  for (unsigned z = 0; z < c.grid.z; ++z)
+    for (unsigned y = 0; y < c.grid.y; ++y)
+      for (unsigned x = 0; x < c.grid.x; ++x) run_block(c, dim3(x, y, z));
+  b.body = nullptr;
+}
+
+}  // namespace emu

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Copies the sources the GPU tests compile into OUT, rewritten so that a C++ compiler builds them
+against the CPU emulator (cuda_emulator.h, force-included):
+
+  kernel<<<grid, block, smem, stream>>>(args)  ->  ::emu::launch(::emu::LaunchConfig(grid, ...), &kernel,
+                                                   [](auto... emu_args) { kernel(emu_args...); }, args)
+  extern __shared__ [__align__(n)] T name[];  ->  T* name = ::emu::dynamic_shared<T>();
+  kernels/ptx.cuh                              ->  tests/emulator/ptx.cuh (the instructions on the CPU)
+
+The call goes through a generic lambda so that a kernel template's arguments are deduced from the
+launch's arguments, as <<<>>> does; such a kernel's address (for the limits that
+cudaFuncSetAttribute sets) is then unknown and passed as null.
+Top-level test sources (tests/gpu/test_*.cu) are written as .cpp; everything else keeps its name
+and path, so #include lines resolve inside OUT.
+Usage: translate.py SOURCE_ROOT OUT_ROOT
+"""
+import pathlib
+import re
+import sys
+
+# What a kernel name may look like before <<<: a qualified identifier with optional template
+# arguments (one level of nesting).
+KERNEL = r"[A-Za-z_][\w:]*(?:<[^<>;{}()]*(?:<[^<>;{}()]*>[^<>;{}()]*)*>)?"
+LAUNCH = re.compile(r"(" + KERNEL + r")\s*<<<(.*?)>>>\s*\((\s*\))?", re.S)
+EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
+TEMPLATE_KERNEL = re.compile(r"template\s*<[^;{]*?>\s*__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(")
+SOURCES = ["train_gpt.cu", "kernels/*", "data/*.h", "tests/*.h", "tests/gpu/*", "tests/reference/*"]
+
+
+def rewrite(text, template_kernels):
+    def launch(m):
+        kernel, config, empty_args = m.group(1), " ".join(m.group(2).split()), m.group(3)
+        deduced = kernel.split("::")[-1] in template_kernels
+        address = "nullptr" if deduced else f"reinterpret_cast<const void*>(&{kernel})"
+        head = f"::emu::launch(::emu::LaunchConfig({config}), {address}, [](auto... emu_args) {{ {kernel}(emu_args...); }}"
+        return head + ")" if empty_args else head + ", "
+
+    text = LAUNCH.sub(launch, text)
+    return EXTERN_SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = ::emu::dynamic_shared<{m.group(1)}>();", text)
+
+
+def main(source_root, out_root):
+    source_root, out_root = pathlib.Path(source_root), pathlib.Path(out_root)
+    paths = [p for pattern in SOURCES for p in sorted(source_root.glob(pattern))
+             if p.is_file() and p.suffix in (".cu", ".cuh", ".h")]
+    template_kernels = {name for p in paths for name in TEMPLATE_KERNEL.findall(p.read_text())}
+    for path in paths:
+        relative = path.relative_to(source_root)
+        if relative.as_posix() == "kernels/ptx.cuh":
+            path = source_root / "tests/emulator/ptx.cuh"
+        if relative.parent.as_posix() == "tests/gpu" and relative.name.startswith("test_"):
+            relative = relative.with_suffix(".cpp")
+        target = out_root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = rewrite(path.read_text(), template_kernels)
+        if not target.exists() or target.read_text() != text:  # unchanged files keep their time stamps
+            target.write_text(text)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2])
