@@ -6,7 +6,8 @@
 // sums per rank and then across ranks (another fp32 order), and the bf16 weight copies and the
 // bf16 Newton-Schulz round the difference on, step after step (after one step the parameters agree
 // bitwise). The CPU emulator (tests/emulator), rounding as the GPU does, measured after 3 steps a
-// worst error of 6.5e-2 (W = 2) and 7.1e-2 (W = 3) with fp32 traffic, always in the scalars' Adam v
+// worst error of 6.5e-2 (W = 2) and 7.1e-2 (W = 3) with fp32 traffic (0 at W = 8 = M: one
+// micro-sequence per rank sums in W = 1's order), always in the scalars' Adam v
 // (their gradients cancel 10-100x, see model_fixture.h); every injected bug of SPEC 4.4 gave 0.94
 // or more: Adam and Muon barely see a gradient scale, but their states do. The reductions go
 // out during the backward of each rank's last micro-sequence (Optimizers::gradients_done), so the
@@ -27,7 +28,11 @@ using namespace fixture;
 // The emulator needs 1-1.5 minutes per run: it checks a subset of the cases.
 constexpr int kT = 256, kMicro = 8, kSteps = 3;
 constexpr double kBound = 0.15;      // fp32 traffic
-constexpr double kBf16Bound = 0.3;   // bf16 traffic rounds every partial sum once more
+// bf16 traffic rounds every partial sum to 8 bits: the emulator measured 0.55 (W = 8, a2a-fp32acc,
+// the scalars' Adam v) where fp32 traffic is bitwise equal, so this bound only catches gross
+// failures; the injected bugs are checked with fp32 traffic. To calibrate on the GPU (NCCL's bf16
+// sums round differently).
+constexpr double kBf16Bound = 0.8;
 constexpr double kBugFloor = 0.5;    // what every injected bug must exceed
 
 // (grad-comm mode, W) pairs of the first test: all of them on a GPU, three on the emulator.
@@ -113,7 +118,8 @@ double worst_error(const Snapshot& whole, const std::vector<Snapshot>& ranks, st
       size_t offset = name.rfind("adam", 0) == 0 ? r * values.size() : 0;
       size_t n = std::min(values.size(), ref.size() > offset ? ref.size() - offset : 0);  // the pad is not data
       std::vector<double> part(values.begin(), values.begin() + n), expected(ref.begin() + offset, ref.begin() + offset + n);
-      double error = n ? relative_error(part, expected) : 0;
+      // Equal is 0, also where both are zero (a slice of padding: relative_error would give 0 / 0).
+      double error = part == expected ? 0 : relative_error(part, expected);
       if (!(error <= worst)) {  // NaN counts as worst
         worst = std::isnan(error) ? INFINITY : error;
         where = "rank " + std::to_string(r) + " " + name;
