@@ -37,8 +37,9 @@ const ThreadPosition& position();  // of the running CUDA thread
 void sync_threads();
 // Every lane of the running thread's warp passes `in_bytes` at `in`; all of them meet, the last to
 // arrive calls combine(inputs [32][in_bytes], outputs [32][out_bytes]) once for the warp, and each
-// lane gets its output row in `out` (without `combine`: every lane's input, [32][in_bytes]). `what` names the operation: lanes that meet in different
-// operations are a bug, reported as such. Rows are at most 32 bytes.
+// lane gets its output row in `out` (without `combine`: every lane's input, [32][in_bytes]).
+// `what` names the operation: lanes that meet in different operations are a bug, reported as
+// such. Rows are at most 32 bytes.
 using WarpCombine = void (*)(const void* inputs, void* outputs);
 void warp_collective(const char* what, const void* in, size_t in_bytes, void* out, size_t out_bytes,
                      WarpCombine combine);
@@ -107,16 +108,11 @@ T __shfl_sync(unsigned, T v, int src_lane, int = 32) {
   return ::emu::shuffle(v, src_lane);
 }
 
-// Fibers never run at the same time, so a read-modify-write is atomic; the builtins also order
-// kernels of concurrent host threads (simulated ranks) that share a counter.
+// Integer atomics (the kernels use no float ones): the builtins also order kernels of concurrent
+// host threads (simulated ranks) that share a counter.
 template <typename T>
 T atomicAdd(T* address, T value) {
   return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
-}
-inline float atomicAdd(float* address, float value) {
-  float old = *address;
-  *address = old + value;
-  return old;
 }
 
 inline float __expf(float x) { return std::exp(x); }

@@ -119,6 +119,15 @@ int linear_index(const ThreadPosition& p) {
   return int(p.thread.x + p.block_dim.x * (p.thread.y + p.block_dim.y * p.thread.z));
 }
 
+// Releases the block's barrier once every live thread has arrived (an exiting thread may be the
+// last one it waited for).
+bool release_barrier_if_complete(Block& b) {
+  if (b.arrived == 0 || b.arrived != b.live) return false;
+  b.arrived = 0;
+  ++b.generation;
+  return true;
+}
+
 void fiber_main(void*) {
   (*host.block.body)();
   Fiber& me = *host.running;
@@ -127,10 +136,7 @@ void fiber_main(void*) {
   --b.live;
   --b.warps[linear_index(me.position) / 32].live;
   b.progressed = true;
-  if (b.arrived > 0 && b.arrived == b.live) {  // the exited thread was the last one a barrier waited for
-    b.arrived = 0;
-    ++b.generation;
-  }
+  release_barrier_if_complete(b);
   emu_switch_stack(&me.sp, host.scheduler_sp);
   fatal("a finished fiber was resumed");
 }
@@ -197,11 +203,8 @@ void sync_threads() {
   Block& b = host.block;
   const unsigned generation = b.generation;
   b.progressed = true;
-  if (++b.arrived == b.live) {
-    b.arrived = 0;
-    ++b.generation;
-    return;
-  }
+  ++b.arrived;
+  if (release_barrier_if_complete(b)) return;
   while (b.generation == generation) yield();
 }
 
@@ -248,7 +251,7 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
   if (host.running) fatal("a kernel launched from inside a kernel");
   Block& b = host.block;
   b.body = &body;
-  b.shared.assign(c.shared_bytes, 0);
+  b.shared.resize(c.shared_bytes);  // poisoned as each block starts
   for (unsigned z = 0; z < c.grid.z; ++z)
     for (unsigned y = 0; y < c.grid.y; ++y)
       for (unsigned x = 0; x < c.grid.x; ++x) run_block(c, dim3(x, y, z));
