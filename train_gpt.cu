@@ -913,9 +913,11 @@ class GPT {
     const int64_t d = c_.model_dim;
     return {T_, c_.num_heads, d, d, d};
   }
-  // y[T, n] (+)= x[T, k] W[n, k]^T, bf16 out
-  void linear(const bf16* x, const bf16* w, bf16* y, int n, int k, bool accumulate = false) {
-    matmul_(x, Transpose::N, w, Transpose::T, y, T_, n, k, CUDA_R_16BF, stream_, 1.0f, accumulate ? 1.0f : 0.0f);
+  // y[T, n] = x[T, k] W[n, k]^T (+ residual[T, n]), bf16 out
+  void linear(const bf16* x, const bf16* w, bf16* y, int n, int k, const bf16* residual = nullptr) {
+    MatmulOptions o;
+    o.addend = residual;
+    matmul_(x, Transpose::N, w, Transpose::T, y, T_, n, k, CUDA_R_16BF, o, stream_, 1.0f, residual ? 1.0f : 0.0f);
   }
   // For y = x W^T: dx[T, k] = dy[T, n] W[n, k] and dW[n, k] += dy^T x (fp32)
   void linear_backward(const bf16* x, const bf16* w, const bf16* dy, bf16* dx, float* dw, int n, int k) {
@@ -956,8 +958,7 @@ class GPT {
                          table >= 0 ? a_->value_embedded[table] : nullptr, scalar(c_.sa_lambda_index(i, 1)), l.v, T_,
                          d, 3 * d, stream_);
     flash_attention_forward(l.q, l.k, l.v, l.y, l.lse, attention_shape(), mask(plan, i), stream_);
-    CUDA_CHECK(cudaMemcpyAsync(l.x_mid, l.x_mixed, td() * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
-    linear(l.y, params.weight(ParamKind::attn_proj, i), l.x_mid, d, d, /*accumulate=*/true);
+    linear(l.y, params.weight(ParamKind::attn_proj, i), l.x_mid, d, d, /*residual=*/l.x_mixed);
   }
 
   void mlp_forward_layer(int i) {
@@ -966,8 +967,7 @@ class GPT {
     rmsnorm_forward(l.x_mid, l.h_mlp, T_, d, stream_);
     linear(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.u, F, d);
     relu_squared_forward(l.u, l.a, size_t(T_) * F, stream_);
-    CUDA_CHECK(cudaMemcpyAsync(l.x_out, l.x_mid, td() * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
-    linear(l.a, params.weight(ParamKind::mlp_proj, i), l.x_out, d, F, /*accumulate=*/true);
+    linear(l.a, params.weight(ParamKind::mlp_proj, i), l.x_out, d, F, /*residual=*/l.x_mid);
   }
 
   // Logits, softcapped cross-entropy and, for training, the head's backward, chunk by chunk:
@@ -987,17 +987,18 @@ class GPT {
       const int rows = std::min(kHeadChunkRows, T_ - r0);
       const bf16* x = a.x_final + size_t(r0) * d;  // [rows, d]
       bf16* dx = a.dh + size_t(r0) * d;            // [rows, d]
-      if (fp8) fp8->forward(x, a.logits, rows, matmul_, stream_);
-      else matmul_(x, Transpose::N, w, Transpose::T, a.logits, rows, V, d, CUDA_R_16BF, stream_);
+      if (fp8) {
+        fp8->forward(x, a.logits, rows, matmul_, stream_);
+        fp8->loss_and_gradient(a.logits, a.targets + r0, a.losses + r0, c_.softcap(), stream_);
+        fp8->backward(dx, dw, matmul_, stream_);
+        continue;
+      }
+      matmul_(x, Transpose::N, w, Transpose::T, a.logits, rows, V, d, CUDA_R_16BF, stream_);
       softcap_cross_entropy(a.logits, a.targets + r0, a.losses + r0, rows, V, backward ? 1.0f : 0.0f, stream_,
                             c_.softcap());
       if (!backward) continue;
-      if (fp8) {
-        fp8->backward(a.logits, dx, dw, rows, matmul_, stream_);
-      } else {
-        matmul_(a.logits, Transpose::N, w, Transpose::N, dx, rows, d, V, CUDA_R_16BF, stream_);
-        matmul_(a.logits, Transpose::T, x, Transpose::N, dw, V, d, rows, CUDA_R_32F, stream_, 1.0f, 1.0f);
-      }
+      matmul_(a.logits, Transpose::N, w, Transpose::N, dx, rows, d, V, CUDA_R_16BF, stream_);
+      matmul_(a.logits, Transpose::T, x, Transpose::N, dw, V, d, rows, CUDA_R_32F, stream_, 1.0f, 1.0f);
     }
   }
 

@@ -1,7 +1,8 @@
 // Softcapped cross-entropy over the padded vocabulary (SPEC 1.2.7), forward and backward fused:
 // z = cap * sigmoid(logit / divisor), loss_t = logsumexp(z_t) - z_t[target]. One block per token;
 // its row of bf16 logits is read once into shared memory, and the gradient of the SUMMED loss
-// (times grad_scale) overwrites the logits in place: no probability tensor is ever stored.
+// (times grad_scale) overwrites the logits in place or goes straight to the FP8 head's e5m2
+// operand: no probability tensor is ever stored.
 #pragma once
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
@@ -25,15 +26,23 @@ struct Softcap {
 
 constexpr int kCrossEntropyThreads = 1024;
 
-// logits [T, V] bf16 (overwritten by dlogits when grad_scale != 0), targets [T], losses [T] fp32.
+// Where the loss gradient goes, 8 elements at a time (`element` indexes [T, V]): by default in
+// place over the bf16 logits; the FP8 head (fp8_head.cuh) stores its e5m2 operand instead.
+struct Bf16GradientInPlace {
+  bf16* logits;
+  __device__ void operator()(size_t element, const float g[8]) const { store8(logits + element, g); }
+};
+
+// logits [T, V] bf16, targets [T], losses [T] fp32; the gradient (when grad_scale != 0) to `store`.
 // z <= cap, so exp(z - cap) never overflows and logsumexp needs no running maximum.
+template <class GradientStore>
 __global__ void __launch_bounds__(kCrossEntropyThreads)
-softcap_cross_entropy_kernel(bf16* logits, const uint16_t* targets, float* losses, int V, Softcap sc,
-                             float grad_scale) {
+softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float* losses, int V, Softcap sc,
+                             float grad_scale, GradientStore store) {
   extern __shared__ Bf16x8 row_smem[];  // [V / 8]
   const int t = blockIdx.x, vectors = V / 8;
   const float inv_divisor = sc.inv_divisor;
-  bf16* row = logits + size_t(t) * V;
+  const bf16* row = logits + size_t(t) * V;
   float sum = 0;
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
     Bf16x8 x = reinterpret_cast<const Bf16x8*>(row)[i];
@@ -60,18 +69,29 @@ softcap_cross_entropy_kernel(bf16* logits, const uint16_t* targets, float* losse
       float dz = p - (i * 8 + j == target ? 1.0f : 0.0f);
       g[j] = dz * (grad_scale * sc.cap * inv_divisor) * sig * (1.0f - sig);
     }
-    store8(row + i * 8, g);
+    store(size_t(t) * V + i * 8, g);
   }
 }
 
-// grad_scale = 1: the gradient of the summed loss (training); 0: losses only (evaluation).
-inline void softcap_cross_entropy(bf16* logits, const uint16_t* targets, float* losses, int T, int V,
-                                  float grad_scale, cudaStream_t stream, Softcap sc = {}) {
+// Token losses of logits [T, V] and, unless grad_scale is 0, the gradient of their SUM (times
+// grad_scale) handed to `store`. The row read ends before any store, so a store may overwrite it.
+template <class GradientStore>
+void softcap_cross_entropy(const bf16* logits, const uint16_t* targets, float* losses, int T, int V, float grad_scale,
+                           GradientStore store, cudaStream_t stream, Softcap sc) {
   if (V % 8) throw std::invalid_argument("cross entropy: vocab " + std::to_string(V) + " is not a multiple of 8");
   size_t smem = size_t(V) * sizeof(bf16);
-  CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  softcap_cross_entropy_kernel<<<T, kCrossEntropyThreads, smem, stream>>>(logits, targets, losses, V, sc, grad_scale);
+  CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel<GradientStore>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  softcap_cross_entropy_kernel<GradientStore>
+      <<<T, kCrossEntropyThreads, smem, stream>>>(logits, targets, losses, V, sc, grad_scale, store);
   CUDA_CHECK_LAUNCH();
+}
+
+// grad_scale = 1: the gradient of the summed loss (training) overwrites the logits; 0: losses only
+// (evaluation).
+inline void softcap_cross_entropy(bf16* logits, const uint16_t* targets, float* losses, int T, int V,
+                                  float grad_scale, cudaStream_t stream, Softcap sc = {}) {
+  softcap_cross_entropy(logits, targets, losses, T, V, grad_scale, Bf16GradientInPlace{logits}, stream, sc);
 }
 
 constexpr int kLossSumThreads = 1024;

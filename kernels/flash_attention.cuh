@@ -7,7 +7,10 @@
 // kv block, no atomics.
 //
 // Tiles live in shared memory as [128 rows][16 chunks of 8 bf16], chunk c of row r stored at
-// c ^ (r & 7), so the 8 row addresses of every ldmatrix hit distinct banks.
+// c ^ (r & 7), so the 8 row addresses of every ldmatrix hit distinct banks. The tiles a CTA walks
+// through are double-buffered: the next block's copies (cp.async) fly while the current block is
+// computed, since the ~230 registers per thread leave room for one CTA per SM and no other CTA
+// would hide the loads.
 #pragma once
 #include "kernels/attention.cuh"
 #include "kernels/ptx.cuh"
@@ -18,6 +21,10 @@ constexpr int kTile = 128;                      // tokens per tile: the mask's b
 constexpr int kWarps = kTile / 16;              // 16 rows per warp
 constexpr int kThreads = kWarps * 32;
 constexpr size_t kTileElements = size_t(kTile) * kAttentionHeadDim;
+constexpr int kStages = 2;  // buffers of the walked tiles
+// Shared tiles: forward Q + stages x (K, V); backward two fixed tiles + stages x two walked ones.
+constexpr size_t kForwardSharedBytes = (1 + 2 * kStages) * kTileElements * sizeof(bf16);
+constexpr size_t kBackwardSharedBytes = (2 + 2 * kStages) * kTileElements * sizeof(bf16);
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kScaleLog2 = kAttentionScale * kLog2e;  // scores in base 2: exp2 on the fast path
 
@@ -33,8 +40,24 @@ __device__ inline void load_tile_async(bf16* tile, const bf16* src, int64_t stri
   }
 }
 
+// The document ids of tokens [first, first + 128).
+__device__ inline void load_docs(int32_t* to, const int32_t* docs, int first) {
+  if (threadIdx.x < kTile) to[threadIdx.x] = docs[first + threadIdx.x];
+}
+
+// Starts the copies of the K and V tiles (V right after K) and the document ids of the kv block
+// at token k0 of head h, as one group.
+__device__ inline void load_kv_tiles(bf16* k_tile, int32_t* kv_docs, const bf16* k, const bf16* v,
+                                     const AttentionTensors& a, const int32_t* docs, int h, int k0) {
+  load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
+  load_tile_async(k_tile + kTileElements, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
+  load_docs(kv_docs, docs, k0);
+  ptx::cp_async_commit();
+}
+
+// Every committed copy of every thread has landed, and every warp is done with what it read before.
 __device__ inline void wait_tiles() {
-  ptx::cp_async_wait_all();
+  ptx::cp_async_wait_group<0>();
   __syncthreads();
 }
 
@@ -108,10 +131,6 @@ __device__ inline float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-__device__ inline void load_docs(int32_t* to, const int32_t* docs, int first) {
-  if (threadIdx.x < kTile) to[threadIdx.x] = docs[first + threadIdx.x];
-}
-
 // Writes a warp's 16 x 128 accumulator (times `scale`) as bf16 rows of [T, H, 128].
 __device__ inline void store_rows(bf16* out, const float (&acc)[kAttentionHeadDim / 8][4], int first_token, int h, int H,
                                   float scale_row0, float scale_row8) {
@@ -129,23 +148,28 @@ __device__ inline void store_rows(bf16* out, const float (&acc)[kAttentionHeadDi
 // Forward: per (query block, head), online softmax over the listed kv blocks.
 __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y,
                                                            float* lse, AttentionTensors a, DeviceAttentionMask m) {
-  extern __shared__ __align__(128) bf16 tiles[];
-  bf16 *q_tile = tiles, *k_tile = tiles + kTileElements, *v_tile = tiles + 2 * kTileElements;
-  __shared__ int32_t q_docs[kTile], kv_docs[kTile];
-  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile;
+  extern __shared__ __align__(128) bf16 tiles[];  // Q, then per stage K and V
+  bf16* q_tile = tiles;
+  __shared__ int32_t q_docs[kTile], stage_docs[kStages][kTile];
+  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
+  auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
+  auto k_tile_of = [&](int j) { return tiles + (1 + 2 * (j % kStages)) * kTileElements; };
+  auto load_kv = [&](int j) {  // the j-th listed kv block into stage j % kStages
+    load_kv_tiles(k_tile_of(j), stage_docs[j % kStages], k, v, a, m.docs, h, kv_block(j) * kTile);
+  };
   load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
   load_docs(q_docs, m.docs, q0);
+  if (count > 0) load_kv(0);
 
   constexpr int N = kTile / 8;
   float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0};
   zero(o);
-  for (int j = 0; j < m.kv_count[qb]; ++j) {
-    const int kb = m.kv_index[qb * m.max_kv + j], k0 = kb * kTile;
-    __syncthreads();  // every warp is done with the previous K, V tiles
-    load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
-    load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
-    load_docs(kv_docs, m.docs, k0);
-    wait_tiles();
+  for (int j = 0; j < count; ++j) {
+    wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
+    if (j + 1 < count) load_kv(j + 1);
+    const int kb = kv_block(j), k0 = kb * kTile;
+    const bf16 *k_tile = k_tile_of(j), *v_tile = k_tile + kTileElements;
+    const int32_t* kv_docs = stage_docs[j % kStages];
 
     float s[N][4];
     zero(s);
@@ -213,13 +237,17 @@ __device__ inline void softmax_backward(float (&s)[N][4], float (&dp)[N][4], con
 __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                const bf16* dy, const float* lse, const float* delta,
                                                                bf16* dq, AttentionTensors a, DeviceAttentionMask m) {
-  extern __shared__ __align__(128) bf16 tiles[];
-  bf16 *q_tile = tiles, *dy_tile = tiles + kTileElements, *k_tile = tiles + 2 * kTileElements,
-       *v_tile = tiles + 3 * kTileElements;
-  __shared__ int32_t q_docs[kTile], kv_docs[kTile];
+  extern __shared__ __align__(128) bf16 tiles[];  // Q, dY, then per stage K and V
+  bf16 *q_tile = tiles, *dy_tile = tiles + kTileElements;
+  __shared__ int32_t q_docs[kTile], stage_docs[kStages][kTile];
   __shared__ float q_lse2[kTile], q_delta[kTile];
-  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile;
+  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
+  auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
+  auto k_tile_of = [&](int j) { return tiles + (2 + 2 * (j % kStages)) * kTileElements; };
+  auto load_kv = [&](int j) {  // the j-th listed kv block into stage j % kStages
+    load_kv_tiles(k_tile_of(j), stage_docs[j % kStages], k, v, a, m.docs, h, kv_block(j) * kTile);
+  };
   load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
   load_tile_async(dy_tile, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
   load_docs(q_docs, m.docs, q0);
@@ -227,17 +255,17 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
     q_lse2[threadIdx.x] = lse[size_t(h) * a.T + q0 + threadIdx.x] * kLog2e;
     q_delta[threadIdx.x] = delta[size_t(h) * a.T + q0 + threadIdx.x];
   }
+  if (count > 0) load_kv(0);
   constexpr int kKeys = 64, N = kKeys / 8;
   float dq_acc[kAttentionHeadDim / 8][4];
   zero(dq_acc);
   auto query_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
-  for (int j = 0; j < m.kv_count[qb]; ++j) {
-    const int kb = m.kv_index[qb * m.max_kv + j], k0 = kb * kTile;
-    __syncthreads();
-    load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
-    load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
-    load_docs(kv_docs, m.docs, k0);
-    wait_tiles();
+  for (int j = 0; j < count; ++j) {
+    wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
+    if (j + 1 < count) load_kv(j + 1);
+    const int kb = kv_block(j), k0 = kb * kTile;
+    const bf16 *k_tile = k_tile_of(j), *v_tile = k_tile + kTileElements;
+    const int32_t* kv_docs = stage_docs[j % kStages];
     const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
     for (int half = 0; half < kTile / kKeys; ++half) {
       float s[N][4], dp[N][4];
@@ -259,32 +287,41 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
                                                                 const bf16* dy, const float* lse, const float* delta,
                                                                 bf16* dk, bf16* dv, AttentionTensors a,
                                                                 DeviceAttentionMask m) {
-  extern __shared__ __align__(128) bf16 tiles[];
-  bf16 *k_tile = tiles, *v_tile = tiles + kTileElements, *q_tile = tiles + 2 * kTileElements,
-       *dy_tile = tiles + 3 * kTileElements;
-  __shared__ int32_t q_docs[kTile], kv_docs[kTile];
-  __shared__ float q_lse2[kTile], q_delta[kTile];
-  const int kb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, k0 = kb * kTile;
+  extern __shared__ __align__(128) bf16 tiles[];  // K, V, then per stage Q and dY
+  bf16 *k_tile = tiles, *v_tile = tiles + kTileElements;
+  __shared__ int32_t kv_docs[kTile], stage_docs[kStages][kTile];
+  __shared__ float stage_lse2[kStages][kTile], stage_delta[kStages][kTile];
+  const int kb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, k0 = kb * kTile, count = m.q_count[kb];
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
+  auto q_block = [&](int j) { return m.q_index[kb * m.max_q + j]; };
+  auto q_tile_of = [&](int j) { return tiles + (2 + 2 * (j % kStages)) * kTileElements; };
+  auto load_q = [&](int j) {  // the j-th listed query block (Q, dY, ids, statistics) into stage j % kStages
+    const int q0 = q_block(j) * kTile, stage = j % kStages;
+    load_tile_async(q_tile_of(j), q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
+    load_tile_async(q_tile_of(j) + kTileElements, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
+    load_docs(stage_docs[stage], m.docs, q0);
+    if (threadIdx.x < kTile) {
+      stage_lse2[stage][threadIdx.x] = lse[size_t(h) * a.T + q0 + threadIdx.x] * kLog2e;
+      stage_delta[stage][threadIdx.x] = delta[size_t(h) * a.T + q0 + threadIdx.x];
+    }
+    ptx::cp_async_commit();
+  };
   load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
   load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
   load_docs(kv_docs, m.docs, k0);
+  if (count > 0) load_q(0);
   constexpr int kQueries = 64, N = kQueries / 8;
   float dk_acc[kAttentionHeadDim / 8][4], dv_acc[kAttentionHeadDim / 8][4];
   zero(dk_acc);
   zero(dv_acc);
   auto key_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
-  for (int j = 0; j < m.q_count[kb]; ++j) {
-    const int qb = m.q_index[kb * m.max_q + j], q0 = qb * kTile;
-    __syncthreads();
-    load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
-    load_tile_async(dy_tile, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
-    load_docs(q_docs, m.docs, q0);
-    if (threadIdx.x < kTile) {
-      q_lse2[threadIdx.x] = lse[size_t(h) * a.T + q0 + threadIdx.x] * kLog2e;
-      q_delta[threadIdx.x] = delta[size_t(h) * a.T + q0 + threadIdx.x];
-    }
-    wait_tiles();
+  for (int j = 0; j < count; ++j) {
+    wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
+    if (j + 1 < count) load_q(j + 1);
+    const int qb = q_block(j), q0 = qb * kTile, stage = j % kStages;
+    const bf16 *q_tile = q_tile_of(j), *dy_tile = q_tile + kTileElements;
+    const int32_t* q_docs = stage_docs[stage];
+    const float *q_lse2 = stage_lse2[stage], *q_delta = stage_delta[stage];
     const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
     for (int half = 0; half < kTile / kQueries; ++half) {
       float st[N][4], dpt[N][4];  // [16 keys x 64 queries]
@@ -324,7 +361,7 @@ inline void check_flash_attention_shape(const AttentionTensors& a, const Attenti
 inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
                                     const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
   check_flash_attention_shape(a, mask, q, k, v);
-  const size_t smem = 3 * flash::kTileElements * sizeof(bf16);
+  const size_t smem = flash::kForwardSharedBytes;
   flash::set_shared_memory(flash::forward_kernel, smem);
   flash::forward_kernel<<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(q, k, v, y, lse, a,
                                                                                           mask.device());
@@ -338,7 +375,7 @@ inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v
   check_flash_attention_shape(a, mask, q, k, v);
   attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
   CUDA_CHECK_LAUNCH();
-  const size_t smem = 4 * flash::kTileElements * sizeof(bf16);
+  const size_t smem = flash::kBackwardSharedBytes;
   const dim3 grid(a.T / flash::kTile, a.H);
   flash::set_shared_memory(flash::backward_dq_kernel, smem);
   flash::backward_dq_kernel<<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, delta, dq, a, mask.device());

@@ -1,14 +1,19 @@
 // The FP8 lm_head of SPEC 1.5 (training only), as the reference's custom op computes it:
 //   forward   logits[rows, V] = (x_s w_s) e4m3(x / x_s) e4m3(w / w_s)^T      bf16, fast accumulation
+//   loss      g[rows, V]      = d(summed softcapped cross-entropy)/d logits  bf16 (cross_entropy.cuh)
 //   backward  dx[rows, d]     = (grad_s w_s) e5m2(g / grad_s) e4m3(w / w_s)  bf16
 //             dW[V, d]       += (grad_s x_s) e5m2(g / grad_s)^T e4m3(x / x_s) fp32
-// cuBLASLt's FP8 products want both operands K-contiguous, so every quantisation writes a plain and
-// a transposed copy in one pass: x_f8 [rows, d] and [d, rows], w_f8 [V, d] and [d, V], g_f8
-// [rows, V] and [V, rows]. The casts are those of the reference's compiled custom op (its impl is
-// under torch.compile): x / s becomes x times the reciprocal of s, taken in double and rounded to
-// fp32 (inductor's division by a constant), the product stays fp32 (inductor does not round a fused
-// intermediate to x's bf16), and Triton's cast to FP8 rounds to nearest even and saturates.
+// cuBLASLt's FP8 products want both operands K-contiguous, so every operand has a plain and a
+// transposed copy: x_f8 [rows, d] and [d, rows], w_f8 [V, d] and [d, V], g_f8 [rows, V] and
+// [V, rows]. x and w are quantised into both copies in one pass; the cross-entropy kernel writes
+// g_f8 itself (the bf16 gradient is never stored: 3 bytes per logit less traffic than storing it
+// and quantising it), and a byte transpose makes g_f8's copy. The casts are those of the
+// reference's compiled custom op (its impl is under torch.compile): x / s becomes x times the
+// reciprocal of s, taken in double and rounded to fp32 (inductor's division by a constant), the
+// product stays fp32 (inductor does not round a fused intermediate to x's bf16), and Triton's cast
+// to FP8 rounds to nearest even and saturates.
 #pragma once
+#include "kernels/cross_entropy.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/matmul.cuh"
 
@@ -18,6 +23,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 using fp8 = __nv_fp8_storage_t;  // one FP8 byte: e4m3fn or e5m2, as the buffer says
 
@@ -43,11 +49,34 @@ __host__ __device__ inline fp8 to_fp8(float v) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind == Fp8Kind::e4m3 ? __NV_E4M3 : __NV_E5M2);
 }
 
+// Eight values as eight FP8 bytes in two words, little end first.
+template <Fp8Kind kind>
+__device__ inline uint2 to_fp8_words(const float v[8], float inv_scale) {
+  uint32_t word[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) word[i / 4] |= uint32_t(to_fp8<kind>(v[i] * inv_scale)) << (8 * (i % 4));
+  return make_uint2(word[0], word[1]);
+}
+
+// The cross-entropy's gradient store for the FP8 head: each value rounded to bf16 first (the
+// reference's autograd hands its custom op a bf16 gradient), then cast to e5m2 times inv_scale.
+struct E5m2Gradient {
+  fp8* out;  // [T, V]
+  float inv_scale;
+  __device__ void operator()(size_t element, const float g[8]) const {
+    float rounded[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) rounded[i] = __bfloat162float(__float2bfloat16(g[i]));
+    *reinterpret_cast<uint2*>(out + element) = to_fp8_words<Fp8Kind::e5m2>(rounded, inv_scale);
+  }
+};
+
 constexpr int kFp8Tile = 64;  // elements per side of a quantisation tile
 
 // out[r, c] = out_t[c, r] = to_fp8(in[r, c] * inv_scale) for in [rows, cols], rows and cols
 // multiples of 8. A 256-thread block does one 64 x 64 tile, each thread 8 consecutive elements;
 // the tile goes through shared memory so that the transposed copy is written row by row as well.
+// In = fp8: `in` is already FP8 (inv_scale unused) and only its transpose is written (out null).
 template <Fp8Kind kind, typename In>
 __global__ void __launch_bounds__(256)
     fp8_quantize_kernel(const In* in, fp8* out, fp8* out_t, int rows, int cols, float inv_scale) {
@@ -57,14 +86,17 @@ __global__ void __launch_bounds__(256)
   for (int r = line; r < kFp8Tile; r += 32) {
     const int row = r0 + r, col = c0 + part * 8;
     if (row >= rows || col >= cols) continue;
-    float v[8];
-    load8(in + size_t(row) * cols + col, v);
-    uint32_t word[2] = {0, 0};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) word[i / 4] |= uint32_t(to_fp8<kind>(v[i] * inv_scale)) << (8 * (i % 4));
-    *reinterpret_cast<uint2*>(out + size_t(row) * cols + col) = make_uint2(word[0], word[1]);
-    tile[r][part * 2] = word[0];
-    tile[r][part * 2 + 1] = word[1];
+    uint2 words;
+    if constexpr (std::is_same_v<In, fp8>) {
+      words = *reinterpret_cast<const uint2*>(in + size_t(row) * cols + col);
+    } else {
+      float v[8];
+      load8(in + size_t(row) * cols + col, v);
+      words = to_fp8_words<kind>(v, inv_scale);
+      *reinterpret_cast<uint2*>(out + size_t(row) * cols + col) = words;
+    }
+    tile[r][part * 2] = words.x;
+    tile[r][part * 2 + 1] = words.y;
   }
   __syncthreads();
   for (int c = line; c < kFp8Tile; c += 32) {  // line c of out_t: column c0 + c of the tile
@@ -83,6 +115,11 @@ void fp8_quantize(const In* in, fp8* out, fp8* out_t, int rows, int cols, float 
   dim3 grid((cols + kFp8Tile - 1) / kFp8Tile, (rows + kFp8Tile - 1) / kFp8Tile);
   fp8_quantize_kernel<kind, In><<<grid, 256, 0, stream>>>(in, out, out_t, rows, cols, inv_scale);
   CUDA_CHECK_LAUNCH();
+}
+
+// out_t [cols, rows] = the transpose of the FP8 bytes in [rows, cols] (16-byte aligned).
+inline void fp8_transpose(const fp8* in, fp8* out_t, int rows, int cols, cudaStream_t stream) {
+  fp8_quantize<Fp8Kind::e5m2, fp8>(in, nullptr, out_t, rows, cols, 1.0f, stream);
 }
 
 // The FP8 operands the head keeps (device bytes), for the tests.
@@ -125,10 +162,23 @@ class Fp8Head {
     logits_product(logits, matmul, stream);
   }
 
-  // From dlogits [rows, V] bf16 (rows as the last forward): dx [rows, d] bf16 (overwritten) and
+  // From logits [rows, V] (rows as the last forward; the model passes the forward's own): the
+  // token losses [rows] and g_f8 and its transpose, the e5m2 copies of the summed loss's gradient
+  // times grad_scale (1 in training).
+  void loss_and_gradient(const bf16* logits, const uint16_t* targets, float* losses, const Softcap& sc,
+                         cudaStream_t stream, float grad_scale = 1.0f) {
+    if (rows_ == 0) throw std::logic_error("Fp8Head: loss before any forward");
+    require_aligned("logits", logits);
+    softcap_cross_entropy(logits, targets, losses, rows_, V_, grad_scale, E5m2Gradient{g_f8_, scales_.grad_inv}, stream,
+                          sc);
+    fp8_transpose(g_f8_, g_f8_t_, rows_, V_, stream);
+    gradient_ready_ = true;
+  }
+
+  // From the gradient of the last loss_and_gradient: dx [rows, d] bf16 (overwritten) and
   // dw [V, d] fp32 += the weight gradient (accumulates over chunks and micro-sequences).
-  void backward(const bf16* dlogits, bf16* dx, float* dw, int rows, Matmul& matmul, cudaStream_t stream) {
-    quantize_grad(dlogits, rows, stream);
+  void backward(bf16* dx, float* dw, Matmul& matmul, cudaStream_t stream) {
+    if (!gradient_ready_) throw std::logic_error("Fp8Head: backward without the loss of the last forward");
     grad_input_product(dx, matmul, stream);
     grad_weight_product(dw, matmul, stream);
   }
@@ -142,13 +192,7 @@ class Fp8Head {
     require_aligned("x", x);
     fp8_quantize<Fp8Kind::e4m3>(x, x_f8_, x_f8_t_, rows, d_, scales_.x_inv, stream);
     rows_ = rows;
-  }
-  void quantize_grad(const bf16* dlogits, int rows, cudaStream_t stream) {
-    if (rows != rows_)
-      throw std::logic_error("Fp8Head: backward of " + std::to_string(rows) + " rows after a forward of " +
-                             std::to_string(rows_));
-    require_aligned("dlogits", dlogits);
-    fp8_quantize<Fp8Kind::e5m2>(dlogits, g_f8_, g_f8_t_, rows, V_, scales_.grad_inv, stream);
+    gradient_ready_ = false;
   }
   void logits_product(bf16* logits, Matmul& matmul, cudaStream_t stream) {  // logits [rows, V]
     MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, device_scales_ + kX, device_scales_ + kW, /*fast_accum=*/true};
@@ -192,7 +236,7 @@ class Fp8Head {
   }
 
   int max_rows_, V_, d_, rows_ = 0;
-  bool weight_ready_ = false;
+  bool weight_ready_ = false, gradient_ready_ = false;
   Fp8HeadScales scales_;
   uint8_t* storage_ = nullptr;
   float* device_scales_ = nullptr;  // [3]: x, w, grad

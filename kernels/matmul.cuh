@@ -20,6 +20,8 @@ enum class Transpose { N, T };
 // means 1), and Hopper's fast FP8 accumulation (no periodic promotion to fp32: faster, less exact).
 // cuBLASLt's FP8 kernels want both operands K-contiguous: A stored [M, K] (N), B stored [N, K] (T),
 // and M, N, K multiples of 16.
+// `addend`: the matrix beta scales when it is not the output, D = alpha op(A) op(B) + beta addend
+// (laid out as the output), so a residual add needs no copy of the residual first.
 // A strided batch: `count` products, the i-th at A + i stride_a, B + i stride_b, C + i stride_c
 // (elements).
 struct MatmulBatch {
@@ -33,6 +35,7 @@ struct MatmulOptions {
   const float* b_scale = nullptr;
   bool fast_accum = false;
   MatmulBatch batch;
+  const void* addend = nullptr;  // null: beta scales the output itself
 };
 
 inline bool is_fp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
@@ -58,8 +61,8 @@ class Matmul {
     (*this)(A, ta, B, tb, C, M, N, K, c_type, MatmulOptions{}, stream, alpha, beta);
   }
 
-  // The same with operand types, scales and accumulation from `o`:
-  // C = alpha * (a_scale * op(A)) (b_scale * op(B)) + beta * C.
+  // The same with operand types, scales, accumulation and addend from `o`:
+  // C = alpha * (a_scale * op(A)) (b_scale * op(B)) + beta * (o.addend or C).
   void operator()(const void* A, Transpose ta, const void* B, Transpose tb, void* C, int M, int N, int K,
                   cudaDataType_t c_type, const MatmulOptions& o, cudaStream_t stream, float alpha = 1.0f,
                   float beta = 0.0f) {
@@ -69,7 +72,8 @@ class Matmul {
                                 o);
     if (is_fp8(o.a_type)) set_scales(plan, o);  // the plan may have been made with other scale buffers
     // cuBLASLt is column-major: compute C^T[N, M] = op(B)^T op(A)^T, i.e. B first.
-    CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, B, plan.b, A, plan.a, &beta, C, plan.c, C, plan.c,
+    const void* addend = o.addend ? o.addend : C;
+    CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, B, plan.b, A, plan.a, &beta, addend, plan.c, C, plan.c,
                                 &plan.algo, workspace_, workspace_bytes_, stream));
   }
 

@@ -10,11 +10,18 @@ __device__ inline uint32_t shared_address(const void* p) { return uint32_t(__cvt
 
 // 16 bytes from global to shared memory without passing through registers; both 16-byte aligned.
 __device__ inline void cp_async_16(void* shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)), "l"(global));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)), "l"(global) : "memory");
 }
 
-// Waits for every cp.async this thread issued (the caller then syncs the block).
-__device__ inline void cp_async_wait_all() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::); }
+// Closes this thread's group of the cp.async issued since the last commit.
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most the newest `pending_groups_left` committed groups of this thread are in
+// flight (the caller then syncs the block before others read the copies).
+template <int pending_groups_left>
+__device__ inline void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending_groups_left) : "memory");
+}
 
 // Four 8 x 8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
 // l / 8 (16 bytes each) and receives in r[i] the elements (l / 4, 2 (l % 4) + {0, 1}) of matrix i.

@@ -140,16 +140,20 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
 
 // The FP8 head of SPEC 1.5 over one micro-sequence: the T rows in chunks of 8192, as the model runs
 // them (one chunk's gradient buffer, reused). The product rows time the cuBLASLt products alone,
-// as bench_torch.py's _scaled_mm rows; the quantisations (plain + transposed copy) are memory-bound
-// rows; the last row is all the model runs per micro-sequence: the weight once, then forward and
-// backward of every chunk.
+// as bench_torch.py's _scaled_mm rows; the quantisations (plain + transposed copy) and the loss
+// (cross-entropy writing the e5m2 gradient, then its transpose) are memory-bound rows; the last row
+// is all the model runs per micro-sequence: the weight once, then forward, loss and backward of
+// every chunk.
 void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
   constexpr int kChunk = 8192, kChunks = T / kChunk;
   Fp8Head head(kChunk, V, D);
-  bf16 *x = random_bf16(size_t(T) * D, 1.0f, 14), *g = random_bf16(size_t(kChunk) * V, 1e-3f, 15);
+  bf16 *x = random_bf16(size_t(T) * D, 1.0f, 14), *loss_logits = random_bf16(size_t(kChunk) * V, 100.0f, 15);
   bf16 *w_bf16 = random_bf16(size_t(V) * D, 0.02f, 16), *dw_bf16 = random_bf16(size_t(V) * D, 1.0f, 17);
   bf16 *logits = device_alloc<bf16>(size_t(kChunk) * V), *dx = device_alloc<bf16>(size_t(T) * D);
   float *w = device_alloc<float>(size_t(V) * D), *dw = device_alloc<float>(size_t(V) * D);
+  float* losses = device_alloc<float>(kChunk);
+  uint16_t* targets = device_alloc<uint16_t>(kChunk);
+  CUDA_CHECK(cudaMemset(targets, 1, kChunk * sizeof(uint16_t)));
   convert(w_bf16, w, size_t(V) * D, 0);
   convert(dw_bf16, dw, size_t(V) * D, 0);
   auto chunks = [&](const std::function<void(int)>& f) {
@@ -158,8 +162,10 @@ void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
   auto x_chunk = [&](int c) { return x + size_t(c) * kChunk * D; };
   auto dx_chunk = [&](int c) { return dx + size_t(c) * kChunk * D; };
   head.quantize_weight(w, 0);
-  head.forward(x, logits, kChunk, matmul, 0);  // the products below reuse chunk 0's FP8 operands
-  head.backward(g, dx, dw, kChunk, matmul, 0);
+  // The products below reuse chunk 0's FP8 operands; the loss reads logits of a realistic spread.
+  auto loss = [&] { head.loss_and_gradient(loss_logits, targets, losses, Softcap{}, 0); };
+  head.forward(x, logits, kChunk, matmul, 0);
+  loss();
   const double flops = 2.0 * T * D * double(V);  // one product over all chunks
   row("fp8 head fwd", median_ms([&] { chunks([&](int) { head.logits_product(logits, matmul, 0); }); }), 0, flops, peaks, true);
   row("fp8 head dx", median_ms([&] { chunks([&](int c) { head.grad_input_product(dx_chunk(c), matmul, 0); }); }), 0,
@@ -168,17 +174,19 @@ void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
       flops, peaks, true);
   row("fp8 quantise x [8192, 768] x6 (+T)", median_ms([&] { chunks([&](int c) { head.quantize_input(x_chunk(c), kChunk, 0); }); }),
       4.0 * T * D, 0, peaks);
-  row("fp8 quantise g [8192, 50304] x6 (+T)", median_ms([&] { chunks([&](int) { head.quantize_grad(g, kChunk, 0); }); }),
-      4.0 * T * V, 0, peaks);
+  // bytes: the logits read, the e5m2 gradient written, read and written transposed
+  row("fp8 loss: cross-entropy -> e5m2 (+T) x6", median_ms([&] { chunks([&](int) { loss(); }); }), 5.0 * T * V, 0, peaks);
   row("fp8 quantise w [50304, 768] (+T)", median_ms([&] { head.quantize_weight(w, 0); }), 6.0 * V * D, 0, peaks);
-  row("fp8 head fwd+bwd (6 chunks, w once)", median_ms([&] {
+  row("fp8 head + loss fwd+bwd (6 chunks, w once)", median_ms([&] {
         head.quantize_weight(w, 0);
         chunks([&](int c) {
           head.forward(x_chunk(c), logits, kChunk, matmul, 0);
-          head.backward(g, dx_chunk(c), dw, kChunk, matmul, 0);
+          loss();
+          head.backward(dx_chunk(c), dw, matmul, 0);
         });
       }), 0, 3 * flops, peaks, true);
-  for (void* p : {(void*)x, (void*)g, (void*)w_bf16, (void*)dw_bf16, (void*)logits, (void*)dx, (void*)w, (void*)dw})
+  for (void* p : {(void*)x, (void*)loss_logits, (void*)w_bf16, (void*)dw_bf16, (void*)logits, (void*)dx, (void*)w,
+                  (void*)dw, (void*)losses, (void*)targets})
     cudaFree(p);
 }
 

@@ -48,6 +48,15 @@ inline void warp_exchange(const char* what, const void* mine, void* all, size_t 
 }
 void* dynamic_shared_memory();
 
+// cp.async as late and as early as PTX lets it land: the destination holds garbage (0xFF) from the
+// issue until the issuing thread waits for the copy's group, so a tile read before the wait (and
+// the barrier after it) or refilled while other threads still read it shows as NaN. The source is
+// read at the issue. wait(n) lands every committed group but the n newest; uncommitted copies wait
+// for a commit.
+void async_copy(void* shared, const void* global, size_t bytes);
+void async_copy_commit();
+void async_copy_wait(int pending_groups_left);
+
 template <typename T>
 T* dynamic_shared() {
   return static_cast<T*>(dynamic_shared_memory());

@@ -20,10 +20,15 @@ inline void require_aligned(const void* p, const char* what) {
 inline void cp_async_16(void* shared, const void* global) {
   require_aligned(shared, "cp.async shared destination");
   require_aligned(global, "cp.async global source");
-  std::memcpy(shared, global, 16);
+  ::emu::async_copy(shared, global, 16);
 }
 
-inline void cp_async_wait_all() {}
+inline void cp_async_commit() { ::emu::async_copy_commit(); }
+
+template <int pending_groups_left>
+void cp_async_wait_group() {
+  ::emu::async_copy_wait(pending_groups_left);
+}
 
 inline float bf16_bits_to_float(uint16_t bits) {
   uint32_t word = uint32_t(bits) << 16;

@@ -6,7 +6,9 @@
 #include <sys/mman.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -87,10 +89,21 @@ struct Warp {
   alignas(16) unsigned char inputs[2][32 * kSlotBytes], outputs[2][32 * kSlotBytes];
 };
 
+constexpr size_t kAsyncCopyBytes = 16;
+
+struct PendingCopy {
+  void* shared;
+  unsigned char data[kAsyncCopyBytes];
+};
+
 struct Fiber {
   void* sp = nullptr;
   bool done = false;
+  bool at_barrier = false;        // waiting in __syncthreads for barrier_generation to pass
+  unsigned barrier_generation = 0;
   ThreadPosition position;
+  std::vector<PendingCopy> uncommitted;             // cp.async issued since the last commit
+  std::deque<std::vector<PendingCopy>> committed;   // groups in flight, oldest first
 };
 
 // The block being run on this host thread.
@@ -99,7 +112,7 @@ struct Block {
   std::vector<Warp> warps;
   int live = 0, arrived = 0;
   unsigned generation = 0;
-  bool progressed = false;
+  uint64_t progress = 0;  // counts arrivals at barriers and warp operations, and exits
   std::vector<unsigned char> shared;  // dynamic shared memory
   const std::function<void()>* body = nullptr;
 };
@@ -135,7 +148,7 @@ void fiber_main(void*) {
   Block& b = host.block;
   --b.live;
   --b.warps[linear_index(me.position) / 32].live;
-  b.progressed = true;
+  ++b.progress;
   release_barrier_if_complete(b);
   emu_switch_stack(&me.sp, host.scheduler_sp);
   fatal("a finished fiber was resumed");
@@ -153,6 +166,32 @@ void* initial_stack(char* top) {
   *--sp = 0;                                          // r14
   *--sp = 0;                                          // r15
   return sp;
+}
+
+void resume(Fiber& f) {
+  host.running = &f;
+  emu_switch_stack(&host.scheduler_sp, f.sp);
+  host.running = nullptr;
+}
+
+// Runs warp w's threads until each has finished or waits at a __syncthreads that others have not
+// reached (or the warp waits on nothing it can resolve). One warp runs as far ahead of the others
+// as barriers allow, as a GPU may schedule it: a warp that reads shared memory another warp has
+// not written yet, or refills a tile another warp still reads, then meets poison instead of
+// finding the others in step.
+void run_warp_to_barrier(Block& b, int w) {
+  const size_t first = size_t(w) * 32, last = std::min(b.fibers.size(), first + 32);
+  for (;;) {
+    const uint64_t progress = b.progress;
+    bool runnable = false;
+    for (size_t i = first; i < last; ++i) {
+      Fiber& f = b.fibers[i];
+      if (f.done || (f.at_barrier && f.barrier_generation == b.generation)) continue;
+      runnable = true;
+      resume(f);
+    }
+    if (!runnable || b.progress == progress) return;
+  }
 }
 
 void run_block(const LaunchConfig& c, dim3 block_index) {
@@ -173,18 +212,10 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   // Shared memory starts as garbage on the GPU: poisoned here, so a read before a write shows.
   std::memset(b.shared.data(), 0xFF, b.shared.size());
   for (int done = 0; done < threads;) {
-    b.progressed = false;
-    done = 0;
-    for (Fiber& f : b.fibers) {
-      if (f.done) {
-        ++done;
-        continue;
-      }
-      host.running = &f;
-      emu_switch_stack(&host.scheduler_sp, f.sp);
-      host.running = nullptr;
-    }
-    if (!b.progressed && done < threads)
+    const uint64_t progress = b.progress;
+    for (int w = 0; w < warps; ++w) run_warp_to_barrier(b, w);
+    done = int(std::count_if(b.fibers.begin(), b.fibers.end(), [](const Fiber& f) { return f.done; }));
+    if (b.progress == progress && done < threads)
       fatal("deadlock in block (" + std::to_string(block_index.x) + ", " + std::to_string(block_index.y) + ", " +
             std::to_string(block_index.z) + "): threads wait at a barrier or warp operation that others never reach");
   }
@@ -199,13 +230,39 @@ const ThreadPosition& position() {
 
 void* dynamic_shared_memory() { return host.block.shared.data(); }
 
+void async_copy(void* shared, const void* global, size_t bytes) {
+  if (bytes != kAsyncCopyBytes) fatal("cp.async of other than 16 bytes");
+  PendingCopy c{shared, {}};
+  std::memcpy(c.data, global, bytes);
+  std::memset(shared, 0xFF, bytes);
+  host.running->uncommitted.push_back(c);
+}
+
+void async_copy_commit() {
+  Fiber& f = *host.running;
+  f.committed.push_back(std::move(f.uncommitted));
+  f.uncommitted.clear();
+}
+
+void async_copy_wait(int pending_groups_left) {
+  Fiber& f = *host.running;
+  while (int(f.committed.size()) > pending_groups_left) {
+    for (const PendingCopy& c : f.committed.front()) std::memcpy(c.shared, c.data, kAsyncCopyBytes);
+    f.committed.pop_front();
+  }
+}
+
 void sync_threads() {
   Block& b = host.block;
+  Fiber& me = *host.running;
   const unsigned generation = b.generation;
-  b.progressed = true;
+  ++b.progress;
   ++b.arrived;
   if (release_barrier_if_complete(b)) return;
+  me.at_barrier = true;
+  me.barrier_generation = generation;
   while (b.generation == generation) yield();
+  me.at_barrier = false;
 }
 
 void warp_collective(const char* what, const void* in, size_t in_bytes, void* out, size_t out_bytes,
@@ -223,7 +280,7 @@ void warp_collective(const char* what, const void* in, size_t in_bytes, void* ou
     fatal(std::string("lanes of one warp meet in different operations: ") + w.what + " and " + what);
   const unsigned generation = w.generation, parity = generation % 2;
   std::memcpy(w.inputs[parity] + lane * in_bytes, in, in_bytes);
-  b.progressed = true;
+  ++b.progress;
   if (++w.arrived == w.live) {
     if (combine) combine(w.inputs[parity], w.outputs[parity]);
     w.arrived = 0;

@@ -2,7 +2,9 @@
 // first:
 // - the quantised operands byte for byte: the plain copy equals the compiled reference's cast
 //   (the fp32 product with the reciprocal scale, then tests/reference/fp8.h), subnormals, ties and
-//   saturation included; the transposed copy equals its transpose;
+//   saturation included; the transposed copy equals its transpose; the gradient, which the
+//   cross-entropy kernel writes in e5m2 itself, equals the cast of the bf16 gradient that the
+//   in-place cross-entropy writes (test_kernels checks that one against the CPU), losses unchanged;
 // - the three products against fp64 sums over the same FP8 operands, at a small shape and the
 //   record's chunk (8192 x 50304 x 768, rows and vocabulary entries sampled), the weight gradient
 //   accumulating over two backward calls;
@@ -124,6 +126,29 @@ void check_quantized(const char* name, const std::vector<In>& in, float inv_scal
   CHECK(transpose_bad == 0);
 }
 
+// Logits whose softmax is peaked in some rows and flat in others (softcapped z over its whole
+// range), and random targets.
+struct LossInputs {
+  std::vector<bf16> logits;
+  std::vector<uint16_t> targets;
+  LossInputs(int rows, int V, uint64_t seed) : logits(wide_bf16(size_t(rows) * V, 600.0f, 12, seed)), targets(rows) {
+    std::mt19937_64 rng(seed + 1);
+    for (uint16_t& t : targets) t = uint16_t(rng() % V);
+  }
+};
+
+// What the bf16 path of cross_entropy.cuh computes (the gradient in place over the logits): the
+// gradient the FP8 head must quantise, and the losses.
+std::vector<bf16> bf16_loss_gradient(const LossInputs& in, int V, float grad_scale, std::vector<float>* losses = nullptr) {
+  const int rows = int(in.targets.size());
+  DeviceBuffer<bf16> logits(in.logits);
+  DeviceBuffer<uint16_t> targets(in.targets);
+  DeviceBuffer<float> token_losses(rows);
+  softcap_cross_entropy(logits.get(), targets.get(), token_losses.get(), rows, V, grad_scale, 0);
+  if (losses) *losses = token_losses.download();
+  return logits.download();
+}
+
 template <typename T>
 double rms(const std::vector<T>& v) {
   double sum = 0;
@@ -188,9 +213,12 @@ void check_products(int rows, int V, int d, int sample_rows, int sample_vocab, u
   // value inside the FP8 ranges, spread over 16 to 24 binades.
   std::vector<bf16> x = wide_bf16(size_t(rows) * d, std::sqrt(float(d)) / 4, 16, seed);
   std::vector<float> w = wide_fp32(size_t(V) * d, 2.0f, 16, seed + 1);
-  std::vector<bf16> g = wide_bf16(size_t(rows) * V, 1e-3f, 24, seed + 2);
-  DeviceBuffer<bf16> d_x(x), d_g(g), logits(size_t(rows) * V), dx(size_t(rows) * d);
-  DeviceBuffer<float> d_w(w), dw(size_t(V) * d);
+  // The gradient comes from the loss of other logits than the forward's: peaked and flat rows.
+  LossInputs loss_inputs(rows, V, seed + 2);
+  std::vector<bf16> g = bf16_loss_gradient(loss_inputs, V, 1.0f);
+  DeviceBuffer<bf16> d_x(x), loss_logits(loss_inputs.logits), logits(size_t(rows) * V), dx(size_t(rows) * d);
+  DeviceBuffer<uint16_t> targets(loss_inputs.targets);
+  DeviceBuffer<float> d_w(w), dw(size_t(V) * d), losses(rows);
   logits.poison();
   dx.poison();
   Fp8HeadOperands op = head.operands();
@@ -205,9 +233,10 @@ void check_products(int rows, int V, int d, int sample_rows, int sample_vocab, u
   Matmul matmul;
   head.quantize_weight(d_w.get(), 0);
   head.forward(d_x.get(), logits.get(), rows, matmul, 0);
-  head.backward(d_g.get(), dx.get(), dw.get(), rows, matmul, 0);
+  head.loss_and_gradient(loss_logits.get(), targets.get(), losses.get(), Softcap{}, 0);
+  head.backward(dx.get(), dw.get(), matmul, 0);
   std::vector<float> dw_once = dw.download();
-  head.backward(d_g.get(), dx.get(), dw.get(), rows, matmul, 0);
+  head.backward(dx.get(), dw.get(), matmul, 0);
   std::vector<float> dw_twice = dw.download();
   std::vector<bf16> logits_gpu = logits.download(), dx_gpu = dx.download();
   CHECK(count_nonfinite(logits_gpu) == 0 && count_nonfinite(dx_gpu) == 0);  // every poisoned element written
@@ -267,42 +296,64 @@ void check_operand_against_reference(const char* name, const std::vector<fp8>& g
 
 }  // namespace
 
+// Every dimension a multiple of 16 and not of 64 (partial tiles on both sides), fewer rows than
+// the head was sized for.
+constexpr int kOddRows = 208, kOddVocab = 1040, kOddDim = 144;
+
 TEST_CASE("quantisation: the reference's casts byte for byte, plain and transposed, partial tiles, saturation") {
-  // Every dimension a multiple of 16 and not of 64 (partial tiles on both sides), fewer rows than
-  // the head was sized for.
-  const int rows = 208, V = 1040, d = 144;
+  const int rows = kOddRows, V = kOddVocab, d = kOddDim;
   Fp8Head head(256, V, d);
   const Fp8HeadScales& s = head.scales();
   // Down to 2^-24 below the largest value: through the subnormals into zero.
   std::vector<bf16> x = wide_bf16(size_t(rows) * d, std::sqrt(float(d)) / 2, 24, 11);
   std::vector<float> w = wide_fp32(size_t(V) * d, 12.0f, 24, 12);
-  std::vector<bf16> g = wide_bf16(size_t(rows) * V, 32.0f, 30, 13);
   // Values past the largest FP8 value (saturated, both signs) and at the edge: x / s and w / s
-  // next to 464 (rounds to 448 either way); g / s = 137 * 448 = 61376 just below e5m2's midpoint
-  // 61440 (57344), 150 * 448 past it.
+  // next to 464 (rounds to 448 either way).
   const float x_edge[] = {470 * s.x, -470 * s.x, 464 * s.x, -464 * s.x}, w_edge[] = {25.0f, -25.0f, 464 * s.w, -448 * s.w};
-  const float g_edge[] = {150.0f, -150.0f, 137.0f, -137.0f};
   for (int i = 0; i < 4; ++i) {
     x[size_t(i) * 37] = __float2bfloat16(x_edge[i]);
     w[size_t(i) * 41] = w_edge[i];
-    g[size_t(i) * 43] = __float2bfloat16(g_edge[i]);
   }
-  DeviceBuffer<bf16> d_x(x), d_g(g);
+  DeviceBuffer<bf16> d_x(x);
   DeviceBuffer<float> d_w(w);
   Fp8HeadOperands op = head.operands();
-  for (auto [p, n] : {std::pair{op.x, x.size()}, {op.x_t, x.size()}, {op.w, w.size()}, {op.w_t, w.size()},
-                      {op.g, g.size()}, {op.g_t, g.size()}})
+  for (auto [p, n] : {std::pair{op.x, x.size()}, {op.x_t, x.size()}, {op.w, w.size()}, {op.w_t, w.size()}})
     poison_bytes(p, n);
   head.quantize_weight(d_w.get(), 0);
   head.quantize_input(d_x.get(), rows, 0);
-  head.quantize_grad(d_g.get(), rows, 0);
-  std::vector<int> all_rows = spread(rows, rows), all_vocab = spread(V, V);
   check_quantized("x", x, s.x_inv, kE4M3, download_bytes(op.x, x.size()), download_bytes(op.x_t, x.size()), rows, d,
-                  all_rows);
+                  spread(rows, rows));
   check_quantized("w", w, s.w_inv, kE4M3, download_bytes(op.w, w.size()), download_bytes(op.w_t, w.size()), V, d,
-                  all_vocab);
-  check_quantized("g", g, s.grad_inv, kE5M2, download_bytes(op.g, g.size()), download_bytes(op.g_t, g.size()), rows, V,
-                  all_rows);
+                  spread(V, V));
+}
+
+TEST_CASE("the loss's e5m2 gradient: the cast of the bf16 gradient byte for byte, plain and transposed; same losses") {
+  const int rows = kOddRows, V = kOddVocab, d = kOddDim;
+  Fp8Head head(256, V, d);
+  DeviceBuffer<bf16> x(wide_bf16(size_t(rows) * d, 1.0f, 8, 51));
+  DeviceBuffer<float> w(wide_fp32(size_t(V) * d, 1.0f, 8, 52));
+  head.quantize_weight(w.get(), 0);
+  head.quantize_input(x.get(), rows, 0);  // the loss takes the rows of the last forward
+  LossInputs in(rows, V, 53);
+  DeviceBuffer<bf16> logits(in.logits);
+  DeviceBuffer<uint16_t> targets(in.targets);
+  DeviceBuffer<float> losses(rows);
+  Fp8HeadOperands op = head.operands();
+  const size_t n = size_t(rows) * V;
+  // 1: training's gradient (|g| / grad_s <= 16: subnormals to mid-range); 10^4: every target
+  // near logit 0 past e5m2's largest value 57344 (saturated).
+  for (float grad_scale : {1.0f, 1e4f}) {
+    std::printf("  grad_scale %g\n", grad_scale);
+    poison_bytes(op.g, n);
+    poison_bytes(op.g_t, n);
+    losses.poison();
+    head.loss_and_gradient(logits.get(), targets.get(), losses.get(), Softcap{}, 0, grad_scale);
+    std::vector<float> bf16_losses;
+    std::vector<bf16> g = bf16_loss_gradient(in, V, grad_scale, &bf16_losses);
+    check_quantized("g", g, head.scales().grad_inv, kE5M2, download_bytes(op.g, n), download_bytes(op.g_t, n), rows, V,
+                    spread(rows, rows));
+    CHECK(losses.download() == bf16_losses);
+  }
 }
 
 TEST_CASE("forward, dx and accumulated dW against fp64 sums over the same FP8 operands") {
@@ -319,39 +370,41 @@ TEST_CASE("against the reference model's FP8 head (SPEC 1.5 in fp64)") {
   std::vector<double> x = rounded_to_bf16(random_normal(size_t(rows) * d, 31));
   std::vector<double> w = random_normal(size_t(V) * d, 32, 0.5);
   for (double& v : w) v = float(v);
-  std::vector<double> g = rounded_to_bf16(random_normal(size_t(rows) * V, 33, 1e-2));
+  LossInputs loss_inputs(rows, V, 33);
+  std::vector<double> g = to_double(bf16_loss_gradient(loss_inputs, V, 1.0f));
   auto reference_cast = [](std::vector<double> v, double scale, const Fp8Format& f) {
     for (double& e : v) e = round_to_fp8(e / scale, f);
     return v;
   };
   Matmul matmul;
-  DeviceBuffer<bf16> d_x(to_bf16(x)), d_g(to_bf16(g)), logits(size_t(rows) * V), dx(size_t(rows) * d);
-  DeviceBuffer<float> d_w(std::vector<float>(w.begin(), w.end())), dw(size_t(V) * d);
+  DeviceBuffer<bf16> d_x(to_bf16(x)), loss_logits(loss_inputs.logits), logits(size_t(rows) * V), dx(size_t(rows) * d);
+  DeviceBuffer<uint16_t> targets(loss_inputs.targets);
+  DeviceBuffer<float> d_w(std::vector<float>(w.begin(), w.end())), dw(size_t(V) * d), losses(rows);
   head.quantize_weight(d_w.get(), 0);
   head.quantize_input(d_x.get(), rows, 0);
-  head.quantize_grad(d_g.get(), rows, 0);
+  head.loss_and_gradient(loss_logits.get(), targets.get(), losses.get(), Softcap{}, 0);
   Fp8HeadOperands op = head.operands();
   check_operand_against_reference("x", download_bytes(op.x, x.size()), reference_cast(x, s.x, kE4M3), kE4M3);
   check_operand_against_reference("w", download_bytes(op.w, w.size()), reference_cast(w, s.w, kE4M3), kE4M3);
   check_operand_against_reference("g", download_bytes(op.g, g.size()), reference_cast(g, s.grad, kE5M2), kE5M2);
 
-  // Inputs moved off the values the two round apart (to the next bf16 towards zero until they
-  // agree): then the products must match the reference model's to the products' own precision.
+  // x moved off the values the two round apart (to the next bf16 towards zero until they agree;
+  // the gradient never rounds apart: 448 is exact): then the products must match the reference
+  // model's to the products' own precision.
   auto agree = [](std::vector<double>& v, float inv_scale, double scale, const Fp8Format& f) {
     for (double& e : v)
       while (!same_fp8_value(compiled_cast(float(e), inv_scale, f), round_to_fp8(e / scale, f)))
         e = double(__bfloat162float(__float2bfloat16_rz(float(e) * (1 - 1.0f / 256))));
   };
   agree(x, fs.x_inv, s.x, kE4M3);
-  agree(g, fs.grad_inv, s.grad, kE5M2);
   d_x.upload(to_bf16(x));
-  d_g.upload(to_bf16(g));
   logits.poison();
   dx.poison();
   std::vector<double> prior = random_normal(w.size(), 34, 1e-1);
   dw.upload(std::vector<float>(prior.begin(), prior.end()));
   head.forward(d_x.get(), logits.get(), rows, matmul, 0);
-  head.backward(d_g.get(), dx.get(), dw.get(), rows, matmul, 0);
+  head.loss_and_gradient(loss_logits.get(), targets.get(), losses.get(), Softcap{}, 0);
+  head.backward(dx.get(), dw.get(), matmul, 0);
 
   // head_forward and head_backward of tests/reference/model.h.
   std::vector<double> hx = reference_cast(x, s.x, kE4M3), hw = reference_cast(w, s.w, kE4M3);
@@ -370,11 +423,12 @@ TEST_CASE("against the reference model's FP8 head (SPEC 1.5 in fp64)") {
   CHECK_REL_ERROR(dw_added, dw_ref, kFp32Bound);
 }
 
-TEST_CASE("refusals: rows the head cannot take, backward of other rows, FP8 layouts cuBLASLt lacks") {
+TEST_CASE("refusals: rows the head cannot take, a loss or backward out of order, FP8 layouts cuBLASLt lacks") {
   const int V = 1024, d = 256;
   Fp8Head head(256, V, d);
   DeviceBuffer<bf16> x(size_t(512) * d), logits(size_t(512) * V), dx(size_t(256) * d);
-  DeviceBuffer<float> w(size_t(V) * d), dw(size_t(V) * d);
+  DeviceBuffer<float> w(size_t(V) * d), dw(size_t(V) * d), losses(512);
+  DeviceBuffer<uint16_t> targets(512);
   Matmul matmul;
   auto throws = [](const std::function<void()>& f) {
     try {
@@ -386,12 +440,13 @@ TEST_CASE("refusals: rows the head cannot take, backward of other rows, FP8 layo
     return false;
   };
   CHECK(throws([&] { head.forward(x.get(), logits.get(), 256, matmul, 0); }));  // before quantize_weight
+  CHECK(throws([&] { head.loss_and_gradient(logits.get(), targets.get(), losses.get(), Softcap{}, 0); }));  // no forward
   head.quantize_weight(w.get(), 0);
   CHECK(throws([&] { head.forward(x.get(), logits.get(), 512, matmul, 0); }));  // more than max_rows
   CHECK(throws([&] { head.forward(x.get(), logits.get(), 200, matmul, 0); }));  // not a multiple of 16
   CHECK(throws([&] { head.forward(x.get() + 1, logits.get(), 256, matmul, 0); }));  // misaligned
   head.quantize_input(x.get(), 128, 0);
-  CHECK(throws([&] { head.backward(logits.get(), dx.get(), dw.get(), 256, matmul, 0); }));  // other rows
+  CHECK(throws([&] { head.backward(dx.get(), dw.get(), matmul, 0); }));  // no loss since this forward
   MatmulOptions e5m2_both{CUDA_R_8F_E5M2, CUDA_R_8F_E5M2};
   CHECK(throws([&] { matmul(x.get(), Transpose::N, w.get(), Transpose::T, dx.get(), 256, 256, 256, CUDA_R_16BF, e5m2_both, 0); }));
   MatmulOptions e4m3_both{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3};
