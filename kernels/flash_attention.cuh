@@ -40,9 +40,14 @@ __device__ inline void load_tile_async(bf16* tile, const bf16* src, int64_t stri
   }
 }
 
-// The document ids of tokens [first, first + 128).
-__device__ inline void load_docs(int32_t* to, const int32_t* docs, int first) {
-  if (threadIdx.x < kTile) to[threadIdx.x] = docs[first + threadIdx.x];
+// A tile's 128 four-byte values (document ids, softmax statistics) from `from` into shared memory
+// by the 32 threads from first_thread, 16 bytes each as cp.async: no thread waits for them before
+// the tiles' wait. Both addresses 16-byte aligned.
+template <typename T>
+__device__ inline void load_values_async(T* to, const T* from, int first_thread) {
+  static_assert(sizeof(T) == 4, "four-byte values");
+  const int i = int(threadIdx.x) - first_thread;
+  if (i >= 0 && i < kTile / 4) ptx::cp_async_16(to + 4 * i, from + 4 * i);
 }
 
 // Starts the copies of the K and V tiles (V right after K) and the document ids of the kv block
@@ -51,7 +56,7 @@ __device__ inline void load_kv_tiles(bf16* k_tile, int32_t* kv_docs, const bf16*
                                      const AttentionTensors& a, const int32_t* docs, int h, int k0) {
   load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
   load_tile_async(k_tile + kTileElements, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
-  load_docs(kv_docs, docs, k0);
+  load_values_async(kv_docs, docs + k0, 0);
   ptx::cp_async_commit();
 }
 
@@ -150,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
                                                            float* lse, AttentionTensors a, DeviceAttentionMask m) {
   extern __shared__ __align__(128) bf16 tiles[];  // Q, then per stage K and V
   bf16* q_tile = tiles;
-  __shared__ int32_t q_docs[kTile], stage_docs[kStages][kTile];
+  __shared__ __align__(16) int32_t q_docs[kTile], stage_docs[kStages][kTile];
   const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
   auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
   auto k_tile_of = [&](int j) { return tiles + (1 + 2 * (j % kStages)) * kTileElements; };
@@ -158,7 +163,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
     load_kv_tiles(k_tile_of(j), stage_docs[j % kStages], k, v, a, m.docs, h, kv_block(j) * kTile);
   };
   load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
-  load_docs(q_docs, m.docs, q0);
+  load_values_async(q_docs, m.docs + q0, 32);
   if (count > 0) load_kv(0);
 
   constexpr int N = kTile / 8;
@@ -218,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
 // ds = p (dp - delta). `query_of(row, col)` maps a fragment position to its query index within the
 // query tile and `key_of` to its key index within the kv tile (the dkv kernel's tiles are transposed).
 template <int N, typename QueryOf, typename KeyOf>
-__device__ inline void softmax_backward(float (&s)[N][4], float (&dp)[N][4], const float* lse2, const float* delta,
+__device__ inline void softmax_backward(float (&s)[N][4], float (&dp)[N][4], const float* lse, const float* delta,
                                         bool masked, int q0, int k0, const int32_t* q_docs, const int32_t* kv_docs,
                                         QueryOf query_of, KeyOf key_of) {
 #pragma unroll
@@ -227,7 +232,7 @@ __device__ inline void softmax_backward(float (&s)[N][4], float (&dp)[N][4], con
     for (int e = 0; e < 4; ++e) {
       int tq = query_of(n, e), tk = key_of(n, e);
       bool allowed = !masked || (k0 + tk <= q0 + tq && kv_docs[tk] == q_docs[tq]);
-      float p = allowed ? exp2f(s[n][e] * kScaleLog2 - lse2[tq]) : 0.0f;
+      float p = allowed ? exp2f(s[n][e] * kScaleLog2 - lse[tq] * kLog2e) : 0.0f;
       s[n][e] = p;
       dp[n][e] = p * (dp[n][e] - delta[tq]);
     }
@@ -239,8 +244,8 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
                                                                bf16* dq, AttentionTensors a, DeviceAttentionMask m) {
   extern __shared__ __align__(128) bf16 tiles[];  // Q, dY, then per stage K and V
   bf16 *q_tile = tiles, *dy_tile = tiles + kTileElements;
-  __shared__ int32_t q_docs[kTile], stage_docs[kStages][kTile];
-  __shared__ float q_lse2[kTile], q_delta[kTile];
+  __shared__ __align__(16) int32_t q_docs[kTile], stage_docs[kStages][kTile];
+  __shared__ __align__(16) float q_lse[kTile], q_delta[kTile];
   const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
   auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
@@ -250,11 +255,9 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
   };
   load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
   load_tile_async(dy_tile, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
-  load_docs(q_docs, m.docs, q0);
-  if (threadIdx.x < kTile) {
-    q_lse2[threadIdx.x] = lse[size_t(h) * a.T + q0 + threadIdx.x] * kLog2e;
-    q_delta[threadIdx.x] = delta[size_t(h) * a.T + q0 + threadIdx.x];
-  }
+  load_values_async(q_docs, m.docs + q0, 32);
+  load_values_async(q_lse, lse + size_t(h) * a.T + q0, 64);
+  load_values_async(q_delta, delta + size_t(h) * a.T + q0, 96);
   if (count > 0) load_kv(0);
   constexpr int kKeys = 64, N = kKeys / 8;
   float dq_acc[kAttentionHeadDim / 8][4];
@@ -273,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
       zero(dp);
       mma_a_bt(s, q_tile, warp * 16, k_tile, half * kKeys);
       mma_a_bt(dp, dy_tile, warp * 16, v_tile, half * kKeys);
-      softmax_backward(s, dp, q_lse2, q_delta, masked, q0, k0, q_docs, kv_docs, query_of,
+      softmax_backward(s, dp, q_lse, q_delta, masked, q0, k0, q_docs, kv_docs, query_of,
                        [&](int n, int e) { return half * kKeys + fragment_col(n, e); });
       mma_p_b<kKeys / 16>(dq_acc, dp, k_tile, half * kKeys);
     }
@@ -289,8 +292,8 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
                                                                 DeviceAttentionMask m) {
   extern __shared__ __align__(128) bf16 tiles[];  // K, V, then per stage Q and dY
   bf16 *k_tile = tiles, *v_tile = tiles + kTileElements;
-  __shared__ int32_t kv_docs[kTile], stage_docs[kStages][kTile];
-  __shared__ float stage_lse2[kStages][kTile], stage_delta[kStages][kTile];
+  __shared__ __align__(16) int32_t kv_docs[kTile], stage_docs[kStages][kTile];
+  __shared__ __align__(16) float stage_lse[kStages][kTile], stage_delta[kStages][kTile];
   const int kb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, k0 = kb * kTile, count = m.q_count[kb];
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
   auto q_block = [&](int j) { return m.q_index[kb * m.max_q + j]; };
@@ -299,16 +302,14 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     const int q0 = q_block(j) * kTile, stage = j % kStages;
     load_tile_async(q_tile_of(j), q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
     load_tile_async(q_tile_of(j) + kTileElements, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
-    load_docs(stage_docs[stage], m.docs, q0);
-    if (threadIdx.x < kTile) {
-      stage_lse2[stage][threadIdx.x] = lse[size_t(h) * a.T + q0 + threadIdx.x] * kLog2e;
-      stage_delta[stage][threadIdx.x] = delta[size_t(h) * a.T + q0 + threadIdx.x];
-    }
+    load_values_async(stage_docs[stage], m.docs + q0, 0);
+    load_values_async(stage_lse[stage], lse + size_t(h) * a.T + q0, 32);
+    load_values_async(stage_delta[stage], delta + size_t(h) * a.T + q0, 64);
     ptx::cp_async_commit();
   };
   load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
   load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
-  load_docs(kv_docs, m.docs, k0);
+  load_values_async(kv_docs, m.docs + k0, 96);
   if (count > 0) load_q(0);
   constexpr int kQueries = 64, N = kQueries / 8;
   float dk_acc[kAttentionHeadDim / 8][4], dv_acc[kAttentionHeadDim / 8][4];
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     const int qb = q_block(j), q0 = qb * kTile, stage = j % kStages;
     const bf16 *q_tile = q_tile_of(j), *dy_tile = q_tile + kTileElements;
     const int32_t* q_docs = stage_docs[stage];
-    const float *q_lse2 = stage_lse2[stage], *q_delta = stage_delta[stage];
+    const float *q_lse = stage_lse[stage], *q_delta = stage_delta[stage];
     const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
     for (int half = 0; half < kTile / kQueries; ++half) {
       float st[N][4], dpt[N][4];  // [16 keys x 64 queries]
@@ -329,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
       zero(dpt);
       mma_a_bt(st, k_tile, warp * 16, q_tile, half * kQueries);
       mma_a_bt(dpt, v_tile, warp * 16, dy_tile, half * kQueries);
-      softmax_backward(st, dpt, q_lse2, q_delta, masked, q0, k0, q_docs, kv_docs,
+      softmax_backward(st, dpt, q_lse, q_delta, masked, q0, k0, q_docs, kv_docs,
                        [&](int n, int e) { return half * kQueries + fragment_col(n, e); }, key_of);
       mma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);
       mma_p_b<kQueries / 16>(dk_acc, dpt, q_tile, half * kQueries);

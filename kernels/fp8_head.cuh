@@ -126,7 +126,7 @@ inline void fp8_transpose(const fp8* in, fp8* out_t, int rows, int cols, cudaStr
 struct Fp8HeadOperands {
   const fp8 *x, *x_t;  // e4m3 [rows, d], [d, rows] of the last forward
   const fp8 *w, *w_t;  // e4m3 [V, d], [d, V] of the last quantize_weight
-  const fp8 *g, *g_t;  // e5m2 [rows, V], [V, rows] of the last backward
+  const fp8 *g, *g_t;  // e5m2 [rows, V], [V, rows] of the last loss_and_gradient
 };
 
 class Fp8Head {
@@ -164,10 +164,11 @@ class Fp8Head {
 
   // From logits [rows, V] (rows as the last forward; the model passes the forward's own): the
   // token losses [rows] and g_f8 and its transpose, the e5m2 copies of the summed loss's gradient
-  // times grad_scale (1 in training).
+  // times grad_scale (1 in training; the head has no losses-only use: evaluation is bf16).
   void loss_and_gradient(const bf16* logits, const uint16_t* targets, float* losses, const Softcap& sc,
                          cudaStream_t stream, float grad_scale = 1.0f) {
     if (rows_ == 0) throw std::logic_error("Fp8Head: loss before any forward");
+    if (!(grad_scale != 0.0f)) throw std::invalid_argument("Fp8Head: a loss gradient scaled by 0 is no gradient");
     require_aligned("logits", logits);
     softcap_cross_entropy(logits, targets, losses, rows_, V_, grad_scale, E5m2Gradient{g_f8_, scales_.grad_inv}, stream,
                           sc);

@@ -209,11 +209,10 @@ void check_products(int rows, int V, int d, int sample_rows, int sample_vocab, u
   std::printf("  head %d rows x %d vocab x %d dim\n", rows, V, d);
   Fp8Head head(rows, V, d);
   const Fp8HeadScales& s = head.scales();
-  // x as RMS-normalised activations (|x| < sqrt(d)), w within 24, g as softmax gradients: every
-  // value inside the FP8 ranges, spread over 16 to 24 binades.
+  // x as RMS-normalised activations (|x| < sqrt(d)) and w within 24, spread over 16 binades; g the
+  // loss gradient of peaked and flat rows (|g| / grad_s <= 16, into the subnormals).
   std::vector<bf16> x = wide_bf16(size_t(rows) * d, std::sqrt(float(d)) / 4, 16, seed);
   std::vector<float> w = wide_fp32(size_t(V) * d, 2.0f, 16, seed + 1);
-  // The gradient comes from the loss of other logits than the forward's: peaked and flat rows.
   LossInputs loss_inputs(rows, V, seed + 2);
   std::vector<bf16> g = bf16_loss_gradient(loss_inputs, V, 1.0f);
   DeviceBuffer<bf16> d_x(x), loss_logits(loss_inputs.logits), logits(size_t(rows) * V), dx(size_t(rows) * d);
@@ -447,6 +446,7 @@ TEST_CASE("refusals: rows the head cannot take, a loss or backward out of order,
   CHECK(throws([&] { head.forward(x.get() + 1, logits.get(), 256, matmul, 0); }));  // misaligned
   head.quantize_input(x.get(), 128, 0);
   CHECK(throws([&] { head.backward(dx.get(), dw.get(), matmul, 0); }));  // no loss since this forward
+  CHECK(throws([&] { head.loss_and_gradient(logits.get(), targets.get(), losses.get(), Softcap{}, 0, 0.0f); }));
   MatmulOptions e5m2_both{CUDA_R_8F_E5M2, CUDA_R_8F_E5M2};
   CHECK(throws([&] { matmul(x.get(), Transpose::N, w.get(), Transpose::T, dx.get(), 256, 256, 256, CUDA_R_16BF, e5m2_both, 0); }));
   MatmulOptions e4m3_both{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3};

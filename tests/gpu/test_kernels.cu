@@ -39,6 +39,16 @@ void check_linear_layer(int tokens, int in, int out, int check_rows, uint64_t se
   matmul(ddy.get(), Transpose::N, dw_in.get(), Transpose::N, dx.get(), tokens, in, out, CUDA_R_16BF, 0);
   matmul(ddy.get(), Transpose::T, dx_in.get(), Transpose::N, dw.get(), out, in, tokens, CUDA_R_32F, 0, 1.0f, 1.0f);
   std::vector<double> y_gpu = to_double(y.download()), dx_gpu = to_double(dx.download()), dw_gpu = to_double(dw.download());
+  // The forward with a residual read from its own buffer (MatmulOptions::addend): r + x W^T.
+  std::vector<double> residual = rounded_to_bf16(random_normal(size_t(tokens) * out, seed + 4));
+  DeviceBuffer<bf16> d_residual(to_bf16(residual)), y_plus(size_t(tokens) * out);
+  y_plus.poison();
+  MatmulOptions plus_residual;
+  plus_residual.addend = d_residual.get();
+  matmul(dx_in.get(), Transpose::N, dw_in.get(), Transpose::T, y_plus.get(), tokens, out, in, CUDA_R_16BF,
+         plus_residual, 0, 1.0f, 1.0f);
+  std::vector<double> y_plus_gpu = to_double(y_plus.download());
+  CHECK(to_double(d_residual.download()) == residual);  // read, not written
 
   int first = (tokens - check_rows) / 2;  // rows in the middle: not only the first tile
   std::vector<double> x_rows = rows_of(x, in, first, check_rows), dy_rows = rows_of(dy, out, first, check_rows);
@@ -48,6 +58,10 @@ void check_linear_layer(int tokens, int in, int out, int check_rows, uint64_t se
   std::vector<double> y_rows = rows_of(y_gpu, out, first, check_rows), dx_rows = rows_of(dx_gpu, in, first, check_rows);
   CHECK_REL_ERROR(y_rows, y_ref, kBf16Bound);
   CHECK_REL_ERROR(dx_rows, dx_ref, kBf16Bound);
+  std::vector<double> y_plus_ref = rows_of(residual, out, first, check_rows);
+  for (size_t i = 0; i < y_plus_ref.size(); ++i) y_plus_ref[i] += y_ref[i];
+  std::vector<double> y_plus_rows = rows_of(y_plus_gpu, out, first, check_rows);
+  CHECK_REL_ERROR(y_plus_rows, y_plus_ref, kBf16Bound);
   // dW needs every token: check `check_rows` output rows of it over the whole batch.
   int wrows = std::min(check_rows, out);
   std::vector<double> dw_ref = rows_of(dw_prior, in, 0, wrows);
@@ -56,12 +70,12 @@ void check_linear_layer(int tokens, int in, int out, int check_rows, uint64_t se
       for (int k = 0; k < in; ++k) dw_ref[size_t(o) * in + k] += dy[size_t(t) * out + o] * x[size_t(t) * in + k];
   std::vector<double> dw_rows = rows_of(dw_gpu, in, 0, wrows);
   CHECK_REL_ERROR(dw_rows, dw_ref, kFp32FromBf16Bound);
-  CHECK(all_finite(y_gpu) && all_finite(dx_gpu) && all_finite(dw_gpu));  // every poisoned element written
+  CHECK(all_finite(y_gpu) && all_finite(dx_gpu) && all_finite(dw_gpu) && all_finite(y_plus_gpu));  // all written
 }
 
 }  // namespace
 
-TEST_CASE("matmul: forward, input and weight gradients of a linear layer") {
+TEST_CASE("matmul: forward (plain and onto a residual), input and weight gradients of a linear layer") {
   check_linear_layer(256, 768, 3072, 256, 1);
   check_linear_layer(96, 3072, 768, 96, 2);
   if (at_record_shapes("the record's qkv projection")) check_linear_layer(49152, 768, 2304, 48, 3);
