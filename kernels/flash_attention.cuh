@@ -1,13 +1,16 @@
 // Tensor-core attention (FlashAttention-2 style) for the masks of attention.cuh: same interface
-// and results as attention_forward / attention_backward there, computed with bf16 mma.sync on
-// 128 x 128 tiles. One CTA per (128-token block, head); its 8 warps own 16 rows each. A query
+// and results as attention_forward / attention_backward there, on 128 x 128 bf16 tiles: the
+// forward with Hopper's wgmma (each of the CTA's two warpgroups owns 64 query rows, its products
+// read the tiles straight from shared memory), the backward with mma.sync. One CTA per
+// (128-token block, head); its 8 warps own 16 rows each. A query
 // block walks its kv-block list, a kv block its query-block list (attention.cuh builds both), so
 // cost follows the window. Only the diagonal block and blocks that straddle a document boundary
 // are masked element by element. The backward is deterministic: dq per query block, dk and dv per
 // kv block, no atomics.
 //
-// Tiles live in shared memory as [128 rows][16 chunks of 8 bf16], chunk c of row r stored at
-// c ^ (r & 7), so the 8 row addresses of every ldmatrix hit distinct banks. The tiles a CTA walks
+// Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
+// [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7) (so the 8 row addresses
+// of every ldmatrix also hit distinct banks), atoms of 8 rows 1024-byte aligned. The tiles a CTA walks
 // through are double-buffered: the next block's copies (cp.async) fly while the current block is
 // computed, since the ~230 registers per thread leave room for one CTA per SM and no other CTA
 // would hide the loads.
@@ -22,14 +25,34 @@ constexpr int kWarps = kTile / 16;              // 16 rows per warp
 constexpr int kThreads = kWarps * 32;
 constexpr size_t kTileElements = size_t(kTile) * kAttentionHeadDim;
 constexpr int kStages = 2;  // buffers of the walked tiles
-// Shared tiles: forward Q + stages x (K, V); backward two fixed tiles + stages x two walked ones.
-constexpr size_t kForwardSharedBytes = (1 + 2 * kStages) * kTileElements * sizeof(bf16);
+constexpr uint32_t kSwizzleAtomBytes = 1024;  // 8 rows of 128 bytes
+constexpr uint32_t kHalfTileBytes = kTile * 64 * sizeof(bf16);  // one column half: [128 rows][64]
+// Shared tiles: forward Q + stages x (K, V) (and room to align them to an atom); backward two
+// fixed tiles + stages x two walked ones.
+constexpr size_t kForwardSharedBytes = (1 + 2 * kStages) * kTileElements * sizeof(bf16) + kSwizzleAtomBytes;
 constexpr size_t kBackwardSharedBytes = (2 + 2 * kStages) * kTileElements * sizeof(bf16);
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kScaleLog2 = kAttentionScale * kLog2e;  // scores in base 2: exp2 on the fast path
 
 __device__ inline int swizzled(int row, int col) {  // col: element index, chunk-aligned for ldmatrix
-  return row * kAttentionHeadDim + (((col >> 3) ^ (row & 7)) << 3) + (col & 7);
+  return col / 64 * (kTile * 64) + row * 64 + ((((col % 64) >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// The descriptor of a matrix in shared memory laid out in 128-byte swizzle atoms (8 rows of 128
+// bytes, 16-byte chunk c of row r at c ^ (r % 8); atoms 1024-byte aligned). `leading` and `stride`
+// are PTX's leading- and stride-dimension byte offsets: for a K-major operand `stride` is the
+// distance between 8-row groups (leading unused); for an MN-major one `leading` separates groups of
+// 64 MN elements and `stride` groups of 8 k rows.
+__device__ inline uint64_t swizzled_128b_descriptor(const void* start, uint32_t leading, uint32_t stride) {
+  return uint64_t((ptx::shared_address(start) & 0x3FFFF) >> 4) | uint64_t(leading >> 4) << 16 |
+         uint64_t(stride >> 4) << 32 | uint64_t(1) << 62;
+}
+
+// wgmma's swizzle acts on shared-window address bits: tiles must start on an atom boundary, which
+// the dynamic shared memory itself need not (static shared variables come first).
+__device__ inline bf16* align_to_swizzle_atom(bf16* p) {
+  const uint32_t misalignment = ptx::shared_address(p) % kSwizzleAtomBytes;
+  return p + (misalignment ? (kSwizzleAtomBytes - misalignment) / sizeof(bf16) : 0);
 }
 
 // rows [0, 128) of a [T, stride] matrix from `src` into a swizzled tile, 16 bytes per cp.async.
@@ -60,9 +83,11 @@ __device__ inline void load_kv_tiles(bf16* k_tile, int32_t* kv_docs, const bf16*
   ptx::cp_async_commit();
 }
 
-// Every committed copy of every thread has landed, and every warp is done with what it read before.
+// Every committed copy of every thread has landed (visible to wgmma too), and every warp is done
+// with what it read before.
 __device__ inline void wait_tiles() {
   ptx::cp_async_wait_group<0>();
+  ptx::fence_proxy_async_shared();
   __syncthreads();
 }
 
@@ -111,6 +136,51 @@ __device__ inline void mma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const flo
   }
 }
 
+// Waits for the warpgroup's wgmma groups; the accumulator may be read from here on.
+__device__ inline void wgmma_wait_all(float (&acc)[kAttentionHeadDim / 8][4]) {
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int n = 0; n < kAttentionHeadDim / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ptx::fence_operand(acc[n][e]);
+}
+
+// s[64 x 128] = A[a_row .. +64, 0..128) B[0..128, 0..128)^T for the warpgroup, both tiles in
+// shared memory (K-major: the head dimension is the product's k), 16 of k per wgmma.
+__device__ inline void wgmma_a_bt(float (&s)[kTile / 8][4], const bf16* a, int a_row, const bf16* b) {
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kAttentionHeadDim / 16; ++kk) {
+    const uint64_t a_desc = swizzled_128b_descriptor(a + swizzled(a_row, kk * 16), 16, kSwizzleAtomBytes);
+    const uint64_t b_desc = swizzled_128b_descriptor(b + swizzled(0, kk * 16), 16, kSwizzleAtomBytes);
+    ptx::wgmma_m64n128k16_ss</*trans_b=*/0>(s, a_desc, b_desc, /*accumulate=*/kk > 0);
+  }
+  ptx::wgmma_commit();
+  wgmma_wait_all(s);
+}
+
+// acc[64 x 128] += P[64 x 128] B[0..128, 0..128) for the warpgroup: P from an accumulator (rounded
+// to bf16 as A fragments, its n-tiles become k), B a shared tile read N-major (rows are k).
+__device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const float (&p)[kTile / 8][4],
+                                 const bf16* b) {
+  uint32_t af[kTile / 16][4];  // all packed before the first wgmma: none waits on the conversions
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    af[kk][0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+    af[kk][1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+    af[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    af[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+  }
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    const uint64_t b_desc = swizzled_128b_descriptor(b + swizzled(kk * 16, 0), kHalfTileBytes, kSwizzleAtomBytes);
+    ptx::wgmma_m64n128k16_rs</*trans_b=*/1>(acc, af[kk], b_desc, /*accumulate=*/true);
+  }
+  ptx::wgmma_commit();
+  wgmma_wait_all(acc);
+}
+
 template <int N>
 __device__ inline void zero(float (&acc)[N][4]) {
 #pragma unroll
@@ -153,10 +223,12 @@ __device__ inline void store_rows(bf16* out, const float (&acc)[kAttentionHeadDi
 // Forward: per (query block, head), online softmax over the listed kv blocks.
 __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y,
                                                            float* lse, AttentionTensors a, DeviceAttentionMask m) {
-  extern __shared__ __align__(128) bf16 tiles[];  // Q, then per stage K and V
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, then per stage K and V
   bf16* q_tile = tiles;
   __shared__ __align__(16) int32_t q_docs[kTile], stage_docs[kStages][kTile];
   const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
+  const int warpgroup_row = warp / 4 * 64;
   auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
   auto k_tile_of = [&](int j) { return tiles + (1 + 2 * (j % kStages)) * kTileElements; };
   auto load_kv = [&](int j) {  // the j-th listed kv block into stage j % kStages
@@ -177,8 +249,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
     const int32_t* kv_docs = stage_docs[j % kStages];
 
     float s[N][4];
-    zero(s);
-    mma_a_bt(s, q_tile, warp * 16, k_tile, 0);
+    wgmma_a_bt(s, q_tile, warpgroup_row, k_tile);
     const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -210,7 +281,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
     for (int n = 0; n < kAttentionHeadDim / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[n][e] *= correction[e / 2];
-    mma_p_b<kTile / 16>(o, s, v_tile, 0);
+    wgmma_p_b(o, s, v_tile);
   }
   float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
   store_rows(y, o, q0 + warp * 16, h, a.H, 1.0f / total[0], 1.0f / total[1]);

@@ -1,4 +1,4 @@
-// The PTX instructions of the tensor-core kernels, one wrapper each (sm_80+ forms, used on Hopper).
+// The PTX instructions of the tensor-core kernels, one wrapper each (sm_80+ forms, and sm_90a's wgmma).
 // Kept apart so that the CPU emulator of the tests (tests/emulator/ptx.cuh) can give each one its
 // documented meaning while the kernels around them run unchanged.
 #pragma once
@@ -47,6 +47,71 @@ __device__ inline void mma_bf16_16x8x16(float c[4], const uint32_t a[4], uint32_
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---- wgmma (sm_90a): a warpgroup's (4 warps, 128 threads) asynchronous matrix product ----------
+
+// Shared memory written by the generic proxy (stores, cp.async) is visible to wgmma's reads, which
+// go through the async proxy, only after this fence by the writing thread (then a barrier).
+__device__ inline void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Orders this thread's earlier register and shared-memory accesses before the wgmma issued next.
+__device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+// Closes the group of the wgmma issued since the last commit.
+__device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// Waits until at most the newest `pending_groups_left` groups are in flight; only then may their
+// accumulators be read and their shared operands refilled.
+template <int pending_groups_left>
+__device__ inline void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending_groups_left) : "memory");
+}
+
+// Keeps the compiler from moving reads of an accumulator across the wait (it cannot see that
+// the wgmma writes it late).
+__device__ inline void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// The 64 fp32 accumulator registers of an m64n128 product: the operand list and the asm text
+// naming them as %0..%63.
+#define PTX_M64N128_ACCUMULATOR(d) \
+      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+      "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+      "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+      "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+      "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+#define PTX_M64N128_ACCUMULATOR_TEXT \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+
+// d[64 x 128] = A[64 x 16] B[16 x 128] (+ d when accumulate), bf16 operands, fp32 accumulation,
+// A and B from shared memory (A K-major; B K-major, or N-major with trans_b). Thread l of warp w
+// of the warpgroup holds d[n][e] at row 16 w + l / 4 + (e >= 2 ? 8 : 0), column
+// 8 n + 2 (l % 4) + (e & 1): mma.sync's m16n8 layout, repeated.
+template <int trans_b>
+__device__ inline void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PTX_M64N128_ACCUMULATOR_TEXT
+               "%64, %65, p, 1, 1, 0, %67;\n}\n"
+               : PTX_M64N128_ACCUMULATOR(d)
+               : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));
+}
+
+// The same with A from registers: the m16n8k16 A fragment of the warp's 16 rows of A (as
+// mma_bf16_16x8x16 takes it).
+template <int trans_b>
+__device__ inline void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                          bool accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PTX_M64N128_ACCUMULATOR_TEXT
+               "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+               : PTX_M64N128_ACCUMULATOR(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));
 }
 
 }  // namespace ptx

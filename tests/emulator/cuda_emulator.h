@@ -57,6 +57,21 @@ void async_copy(void* shared, const void* global, size_t bytes);
 void async_copy_commit();
 void async_copy_wait(int pending_groups_left);
 
+// wgmma.mma_async as late as PTX lets it complete: `land` (the product, reading shared memory and
+// adding into the issuing thread's accumulator) runs when the thread waits for its group, so an
+// accumulator read before the wait, or a tile refilled before it, shows. Groups as cp.async's.
+void wgmma_issue(std::function<void()> land);
+void wgmma_commit();
+void wgmma_wait(int pending_groups_left);
+
+// The shared-window address of a byte of dynamic shared memory, as __cvta_generic_to_shared gives
+// it, and back. The window's dynamic part starts at kDynamicSharedWindowBase, which is not a
+// multiple of 1024, as static shared variables placed before it can make it on the GPU: a kernel
+// whose swizzled tiles assume an aligned base computes wrong products here too.
+constexpr uint32_t kDynamicSharedWindowBase = 0x610;
+uint32_t shared_window_address(const void* p);
+const void* shared_window_pointer(uint32_t address, size_t bytes);
+
 template <typename T>
 T* dynamic_shared() {
   return static_cast<T*>(dynamic_shared_memory());

@@ -102,4 +102,105 @@ inline void mma_bf16_16x8x16(float c[4], const uint32_t a[4], uint32_t b0, uint3
   for (int e = 0; e < 4; ++e) c[e] += product[e];
 }
 
+inline uint32_t shared_address(const void* p) { return ::emu::shared_window_address(p); }
+
+// Proxy and register fences order what the GPU may reorder; the emulator runs in program order.
+inline void fence_proxy_async_shared() {}
+inline void wgmma_fence() {}
+inline void fence_operand(float&) {}
+
+inline void wgmma_commit() { ::emu::wgmma_commit(); }
+
+template <int pending_groups_left>
+void wgmma_wait() {
+  ::emu::wgmma_wait(pending_groups_left);
+}
+
+[[noreturn]] inline void wgmma_fatal(const char* what) {
+  std::fprintf(stderr, "CUDA emulator: wgmma: %s\n", what);
+  std::abort();
+}
+
+// A shared-memory matrix descriptor (128-byte swizzling, the only mode the kernels use), decoded as
+// PTX's canonical layouts define it: offsets are added to the start address and the swizzle acts
+// on the resulting address, XORing its bits 4-6 (the 16-byte chunk) with bits 7-9 (the row of
+// the 1024-byte atom).
+struct SharedMatrix {
+  explicit SharedMatrix(uint64_t desc)
+      : start(uint32_t(desc & 0x3FFF) << 4),
+        leading(uint32_t(desc >> 16 & 0x3FFF) << 4),
+        stride(uint32_t(desc >> 32 & 0x3FFF) << 4) {
+    if (desc >> 62 != 1) wgmma_fatal("a descriptor without 128-byte swizzling");
+    if ((desc >> 49 & 7) != 0) wgmma_fatal("a descriptor with a base offset (the kernels align their atoms)");
+  }
+  float at(uint32_t offset) const {
+    uint32_t address = start + offset;
+    address ^= (address >> 7 & 7) << 4;
+    uint16_t bits;
+    std::memcpy(&bits, ::emu::shared_window_pointer(address, 2), 2);
+    return bf16_bits_to_float(bits);
+  }
+  // K-major: 8-row groups `stride` apart, rows of 128 bytes, k contiguous.
+  float k_major(int row, int k) const { return at(row / 8 * stride + row % 8 * 128 + k * 2); }
+  // MN-major: 64 contiguous elements of MN per 128-byte row, k rows 128 bytes apart, 8-row groups
+  // of k `stride` apart, groups of 64 MN `leading` apart.
+  float mn_major(int mn, int k) const { return at(mn / 64 * leading + mn % 64 * 2 + k / 8 * stride + k % 8 * 128); }
+  uint32_t start, leading, stride;
+};
+
+// The thread's rows of the 64-row product: warp w of the warpgroup holds rows 16 w + lane / 4 and
+// that + 8 (the m16n8 accumulator layout, repeated over N / 8 column tiles).
+inline int linear_thread() {
+  const auto& p = ::emu::position();
+  return int(p.thread.x + p.block_dim.x * (p.thread.y + p.block_dim.y * p.thread.z));
+}
+inline int wgmma_first_row() { return linear_thread() / 32 % 4 * 16 + linear_thread() % 32 / 4; }
+
+// d[64 x 128] (this thread's 16 x 4 elements) = A[64 x 16] B[16 x 128] (+ d), B from its descriptor.
+template <int trans_b>
+void wgmma_product_into(float (&d)[16][4], const float (&a)[2][16], uint64_t desc_b, bool accumulate) {
+  const SharedMatrix b(desc_b);
+  const int t = linear_thread() % 4;
+  for (int n = 0; n < 16; ++n)
+    for (int e = 0; e < 4; ++e) {
+      const int col = 8 * n + 2 * t + (e & 1);
+      float sum = 0;
+      for (int k = 0; k < 16; ++k) sum += a[e / 2][k] * (trans_b ? b.mn_major(col, k) : b.k_major(col, k));
+      d[n][e] = accumulate ? d[n][e] + sum : sum;
+    }
+}
+
+// wgmma.mma_async.m64n128k16.f32.bf16.bf16 with A from shared memory (K-major).
+template <int trans_b>
+void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  const int row = wgmma_first_row();
+  ::emu::wgmma_issue([&d, desc_a, desc_b, accumulate, row] {
+    const SharedMatrix a(desc_a);
+    float rows[2][16];
+    for (int r = 0; r < 2; ++r)
+      for (int k = 0; k < 16; ++k) rows[r][k] = a.k_major(row + 8 * r, k);
+    wgmma_product_into<trans_b>(d, rows, desc_b, accumulate);
+  });
+}
+
+// The same with A from registers: the m16n8k16 A fragment of the warp's 16 rows (read at the issue).
+template <int trans_b>
+void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  uint32_t all[32][4];
+  ::emu::warp_exchange("wgmma.m64n128k16 A fragment", a, all, sizeof a);
+  const int g = linear_thread() % 32 / 4;
+  float rows[2][16];
+  for (int t = 0; t < 4; ++t)
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t* f = all[4 * g + t];
+      rows[0][2 * t + half] = bf16_bits_to_float(uint16_t(f[0] >> (16 * half)));
+      rows[1][2 * t + half] = bf16_bits_to_float(uint16_t(f[1] >> (16 * half)));
+      rows[0][2 * t + 8 + half] = bf16_bits_to_float(uint16_t(f[2] >> (16 * half)));
+      rows[1][2 * t + 8 + half] = bf16_bits_to_float(uint16_t(f[3] >> (16 * half)));
+    }
+  ::emu::wgmma_issue([&d, rows, desc_b, accumulate] {
+    wgmma_product_into<trans_b>(d, rows, desc_b, accumulate);
+  });
+}
+
 }  // namespace ptx

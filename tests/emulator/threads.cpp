@@ -104,6 +104,8 @@ struct Fiber {
   ThreadPosition position;
   std::vector<PendingCopy> uncommitted;             // cp.async issued since the last commit
   std::deque<std::vector<PendingCopy>> committed;   // groups in flight, oldest first
+  std::vector<std::function<void()>> wgmma_uncommitted;
+  std::deque<std::vector<std::function<void()>>> wgmma_committed;
 };
 
 // The block being run on this host thread.
@@ -144,6 +146,8 @@ bool release_barrier_if_complete(Block& b) {
 void fiber_main(void*) {
   (*host.block.body)();
   Fiber& me = *host.running;
+  if (!me.wgmma_uncommitted.empty() || !me.wgmma_committed.empty())
+    fatal("a thread exited with wgmma operations it never waited for");
   me.done = true;
   Block& b = host.block;
   --b.live;
@@ -250,6 +254,37 @@ void async_copy_wait(int pending_groups_left) {
     for (const PendingCopy& c : f.committed.front()) std::memcpy(c.shared, c.data, kAsyncCopyBytes);
     f.committed.pop_front();
   }
+}
+
+void wgmma_issue(std::function<void()> land) { host.running->wgmma_uncommitted.push_back(std::move(land)); }
+
+void wgmma_commit() {
+  Fiber& f = *host.running;
+  f.wgmma_committed.push_back(std::move(f.wgmma_uncommitted));
+  f.wgmma_uncommitted.clear();
+}
+
+void wgmma_wait(int pending_groups_left) {
+  Fiber& f = *host.running;
+  while (int(f.wgmma_committed.size()) > pending_groups_left) {
+    for (const auto& land : f.wgmma_committed.front()) land();
+    f.wgmma_committed.pop_front();
+  }
+}
+
+uint32_t shared_window_address(const void* p) {
+  const std::vector<unsigned char>& shared = host.block.shared;
+  const auto* byte = static_cast<const unsigned char*>(p);
+  if (shared.empty() || byte < shared.data() || byte >= shared.data() + shared.size())
+    fatal("a shared-window address of memory outside the dynamic shared memory (the emulator maps only that)");
+  return kDynamicSharedWindowBase + uint32_t(byte - shared.data());
+}
+
+const void* shared_window_pointer(uint32_t address, size_t bytes) {
+  const std::vector<unsigned char>& shared = host.block.shared;
+  if (address < kDynamicSharedWindowBase || address - kDynamicSharedWindowBase + bytes > shared.size())
+    fatal("shared-window address " + std::to_string(address) + " is outside the dynamic shared memory");
+  return shared.data() + (address - kDynamicSharedWindowBase);
 }
 
 void sync_threads() {
