@@ -1,19 +1,18 @@
 // Tensor-core attention (FlashAttention-2 style) for the masks of attention.cuh: same interface
-// and results as attention_forward / attention_backward there, on 128 x 128 bf16 tiles: the
-// forward with Hopper's wgmma (each of the CTA's two warpgroups owns 64 query rows, its products
-// read the tiles straight from shared memory), the backward with mma.sync. One CTA per
-// (128-token block, head); its 8 warps own 16 rows each. A query
+// and results as attention_forward / attention_backward there, on 128 x 128 bf16 tiles with
+// Hopper's wgmma: each of a CTA's two warpgroups owns 64 rows (queries, or keys in the dk/dv
+// kernel), its products read their tiles straight from shared memory and take P or dS from
+// registers. One CTA per (128-token block, head); warp w holds rows 16 w .. 16 w + 15. A query
 // block walks its kv-block list, a kv block its query-block list (attention.cuh builds both), so
 // cost follows the window. Only the diagonal block and blocks that straddle a document boundary
 // are masked element by element. The backward is deterministic: dq per query block, dk and dv per
 // kv block, no atomics.
 //
 // Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
-// [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7) (so the 8 row addresses
-// of every ldmatrix also hit distinct banks), atoms of 8 rows 1024-byte aligned. The tiles a CTA walks
-// through are double-buffered: the next block's copies (cp.async) fly while the current block is
-// computed, since the ~230 registers per thread leave room for one CTA per SM and no other CTA
-// would hide the loads.
+// [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7), atoms of 8 rows
+// 1024-byte aligned. The tiles a CTA walks through are double-buffered: the next block's copies
+// (cp.async) fly while the current block is computed, since the 165-244 registers per thread leave
+// room for one CTA per SM and no other CTA would hide the loads.
 #pragma once
 #include "kernels/attention.cuh"
 #include "kernels/ptx.cuh"
@@ -27,14 +26,14 @@ constexpr size_t kTileElements = size_t(kTile) * kAttentionHeadDim;
 constexpr int kStages = 2;  // buffers of the walked tiles
 constexpr uint32_t kSwizzleAtomBytes = 1024;  // 8 rows of 128 bytes
 constexpr uint32_t kHalfTileBytes = kTile * 64 * sizeof(bf16);  // one column half: [128 rows][64]
-// Shared tiles: forward Q + stages x (K, V) (and room to align them to an atom); backward two
+// Shared tiles (and room to align them to an atom): forward Q + stages x (K, V); backward two
 // fixed tiles + stages x two walked ones.
 constexpr size_t kForwardSharedBytes = (1 + 2 * kStages) * kTileElements * sizeof(bf16) + kSwizzleAtomBytes;
-constexpr size_t kBackwardSharedBytes = (2 + 2 * kStages) * kTileElements * sizeof(bf16);
+constexpr size_t kBackwardSharedBytes = (2 + 2 * kStages) * kTileElements * sizeof(bf16) + kSwizzleAtomBytes;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kScaleLog2 = kAttentionScale * kLog2e;  // scores in base 2: exp2 on the fast path
 
-__device__ inline int swizzled(int row, int col) {  // col: element index, chunk-aligned for ldmatrix
+__device__ inline int swizzled(int row, int col) {  // element (row, col) of a tile
   return col / 64 * (kTile * 64) + row * 64 + ((((col % 64) >> 3) ^ (row & 7)) << 3) + (col & 7);
 }
 
@@ -96,76 +95,50 @@ __device__ inline uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// acc[16 x 8N] += A[a_row .. +16, 0..128) B[b_row .. +8N, 0..128)^T, both tiles in shared memory.
-// The accumulator layout (PTX m16n8 C fragment): thread holds rows lane/4 and lane/4 + 8, columns
-// 8n + 2(lane%4) + {0, 1} of n-tile n.
+// Fences an accumulator read after the wait for the wgmma that wrote it.
 template <int N>
-__device__ inline void mma_a_bt(float (&acc)[N][4], const bf16* a, int a_row, const bf16* b, int b_row) {
-  const int lane = threadIdx.x % 32;
+__device__ inline void fence_accumulator(float (&acc)[N][4]) {
 #pragma unroll
-  for (int kk = 0; kk < kAttentionHeadDim / 16; ++kk) {
-    uint32_t af[4];
-    ptx::ldmatrix_x4(af, a + swizzled(a_row + lane % 8 + (lane / 8) % 2 * 8, kk * 16 + lane / 16 * 8));
-#pragma unroll
-    for (int np = 0; np < N / 2; ++np) {
-      uint32_t bf[4];
-      ptx::ldmatrix_x4(bf, b + swizzled(b_row + np * 16 + lane % 8 + lane / 16 * 8, kk * 16 + (lane / 8) % 2 * 8));
-      ptx::mma_bf16_16x8x16(acc[2 * np], af, bf[0], bf[1]);
-      ptx::mma_bf16_16x8x16(acc[2 * np + 1], af, bf[2], bf[3]);
-    }
-  }
-}
-
-// acc[16 x 128] += P[16 x 16K] B[b_row .. +16K, 0..128): P comes from an accumulator (rounded to
-// bf16, its n-tiles become the k dimension), B from a shared tile read transposed.
-template <int K>
-__device__ inline void mma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const float (&p)[2 * K][4], const bf16* b,
-                               int b_row) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kk = 0; kk < K; ++kk) {
-    uint32_t af[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
-                      pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-#pragma unroll
-    for (int np = 0; np < kAttentionHeadDim / 16; ++np) {
-      uint32_t bf[4];
-      ptx::ldmatrix_x4_trans(bf, b + swizzled(b_row + kk * 16 + lane % 8 + (lane / 8) % 2 * 8, np * 16 + lane / 16 * 8));
-      ptx::mma_bf16_16x8x16(acc[2 * np], af, bf[0], bf[1]);
-      ptx::mma_bf16_16x8x16(acc[2 * np + 1], af, bf[2], bf[3]);
-    }
-  }
-}
-
-// Waits for the warpgroup's wgmma groups; the accumulator may be read from here on.
-__device__ inline void wgmma_wait_all(float (&acc)[kAttentionHeadDim / 8][4]) {
-  ptx::wgmma_wait<0>();
-#pragma unroll
-  for (int n = 0; n < kAttentionHeadDim / 8; ++n)
+  for (int n = 0; n < N; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) ptx::fence_operand(acc[n][e]);
 }
 
-// s[64 x 128] = A[a_row .. +64, 0..128) B[0..128, 0..128)^T for the warpgroup, both tiles in
-// shared memory (K-major: the head dimension is the product's k), 16 of k per wgmma.
-__device__ inline void wgmma_a_bt(float (&s)[kTile / 8][4], const bf16* a, int a_row, const bf16* b) {
+// Waits for all of the warpgroup's wgmma groups; the accumulators named may be read from here on,
+// and the tiles they read refilled (after a barrier).
+template <typename... Accumulators>
+__device__ inline void wgmma_wait_all(Accumulators&... acc) {
+  ptx::wgmma_wait<0>();
+  (fence_accumulator(acc), ...);
+}
+
+// Issues, as one group, s[64 x N] = A[a_row .. +64, 0..128) B[b_row .. +N, 0..128)^T for the
+// warpgroup: both tiles in shared memory, K-major (the head dimension is the product's k), 16 of k
+// per wgmma. The accumulator layout: see ptx::wgmma_m64n128k16_ss.
+template <int N>
+__device__ inline void wgmma_a_bt(float (&s)[N / 8][4], const bf16* a, int a_row, const bf16* b, int b_row) {
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kAttentionHeadDim / 16; ++kk) {
     const uint64_t a_desc = swizzled_128b_descriptor(a + swizzled(a_row, kk * 16), 16, kSwizzleAtomBytes);
-    const uint64_t b_desc = swizzled_128b_descriptor(b + swizzled(0, kk * 16), 16, kSwizzleAtomBytes);
-    ptx::wgmma_m64n128k16_ss</*trans_b=*/0>(s, a_desc, b_desc, /*accumulate=*/kk > 0);
+    const uint64_t b_desc = swizzled_128b_descriptor(b + swizzled(b_row, kk * 16), 16, kSwizzleAtomBytes);
+    if constexpr (N == 128)
+      ptx::wgmma_m64n128k16_ss</*trans_b=*/0>(s, a_desc, b_desc, /*accumulate=*/kk > 0);
+    else
+      ptx::wgmma_m64n64k16_ss</*trans_b=*/0>(s, a_desc, b_desc, /*accumulate=*/kk > 0);
   }
   ptx::wgmma_commit();
-  wgmma_wait_all(s);
 }
 
-// acc[64 x 128] += P[64 x 128] B[0..128, 0..128) for the warpgroup: P from an accumulator (rounded
-// to bf16 as A fragments, its n-tiles become k), B a shared tile read N-major (rows are k).
-__device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const float (&p)[kTile / 8][4],
-                                 const bf16* b) {
-  uint32_t af[kTile / 16][4];  // all packed before the first wgmma: none waits on the conversions
+// Issues, as one group, acc[64 x 128] += P[64 x 16K] B[b_row .. +16K, 0..128) for the warpgroup:
+// P from an accumulator (rounded to bf16 as A fragments, its n-tiles become k), B a shared tile
+// read N-major (its rows are k).
+template <int K>
+__device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const float (&p)[2 * K][4], const bf16* b,
+                                 int b_row) {
+  uint32_t af[K][4];  // all packed before the first wgmma: none waits on the conversions
 #pragma unroll
-  for (int kk = 0; kk < kTile / 16; ++kk) {
+  for (int kk = 0; kk < K; ++kk) {
     af[kk][0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
     af[kk][1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
     af[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
@@ -173,12 +146,12 @@ __device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const f
   }
   ptx::wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kTile / 16; ++kk) {
-    const uint64_t b_desc = swizzled_128b_descriptor(b + swizzled(kk * 16, 0), kHalfTileBytes, kSwizzleAtomBytes);
+  for (int kk = 0; kk < K; ++kk) {
+    const uint64_t b_desc =
+        swizzled_128b_descriptor(b + swizzled(b_row + kk * 16, 0), kHalfTileBytes, kSwizzleAtomBytes);
     ptx::wgmma_m64n128k16_rs</*trans_b=*/1>(acc, af[kk], b_desc, /*accumulate=*/true);
   }
   ptx::wgmma_commit();
-  wgmma_wait_all(acc);
 }
 
 template <int N>
@@ -249,7 +222,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
     const int32_t* kv_docs = stage_docs[j % kStages];
 
     float s[N][4];
-    wgmma_a_bt(s, q_tile, warpgroup_row, k_tile);
+    wgmma_a_bt<kTile>(s, q_tile, warpgroup_row, k_tile, 0);
+    wgmma_wait_all(s);
     const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -281,7 +255,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
     for (int n = 0; n < kAttentionHeadDim / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[n][e] *= correction[e / 2];
-    wgmma_p_b(o, s, v_tile);
+    wgmma_p_b<kTile / 16>(o, s, v_tile, 0);
+    wgmma_wait_all(o);  // before the barrier after which block j + 2 refills this stage
   }
   float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
   store_rows(y, o, q0 + warp * 16, h, a.H, 1.0f / total[0], 1.0f / total[1]);
@@ -313,11 +288,13 @@ __device__ inline void softmax_backward(float (&s)[N][4], float (&dp)[N][4], con
 __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                const bf16* dy, const float* lse, const float* delta,
                                                                bf16* dq, AttentionTensors a, DeviceAttentionMask m) {
-  extern __shared__ __align__(128) bf16 tiles[];  // Q, dY, then per stage K and V
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, dY, then per stage K and V
   bf16 *q_tile = tiles, *dy_tile = tiles + kTileElements;
   __shared__ __align__(16) int32_t q_docs[kTile], stage_docs[kStages][kTile];
   __shared__ __align__(16) float q_lse[kTile], q_delta[kTile];
   const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
+  const int warpgroup_row = warp / 4 * 64;
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
   auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
   auto k_tile_of = [&](int j) { return tiles + (2 + 2 * (j % kStages)) * kTileElements; };
@@ -343,14 +320,14 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
     const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
     for (int half = 0; half < kTile / kKeys; ++half) {
       float s[N][4], dp[N][4];
-      zero(s);
-      zero(dp);
-      mma_a_bt(s, q_tile, warp * 16, k_tile, half * kKeys);
-      mma_a_bt(dp, dy_tile, warp * 16, v_tile, half * kKeys);
+      wgmma_a_bt<kKeys>(s, q_tile, warpgroup_row, k_tile, half * kKeys);
+      wgmma_a_bt<kKeys>(dp, dy_tile, warpgroup_row, v_tile, half * kKeys);
+      wgmma_wait_all(s, dp);  // (and the previous half's dq product)
       softmax_backward(s, dp, q_lse, q_delta, masked, q0, k0, q_docs, kv_docs, query_of,
                        [&](int n, int e) { return half * kKeys + fragment_col(n, e); });
-      mma_p_b<kKeys / 16>(dq_acc, dp, k_tile, half * kKeys);
+      wgmma_p_b<kKeys / 16>(dq_acc, dp, k_tile, half * kKeys);
     }
+    wgmma_wait_all(dq_acc);  // before the barrier after which block j + 2 refills this stage
   }
   store_rows(dq, dq_acc, q0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
 }
@@ -361,11 +338,13 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
                                                                 const bf16* dy, const float* lse, const float* delta,
                                                                 bf16* dk, bf16* dv, AttentionTensors a,
                                                                 DeviceAttentionMask m) {
-  extern __shared__ __align__(128) bf16 tiles[];  // K, V, then per stage Q and dY
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // K, V, then per stage Q and dY
   bf16 *k_tile = tiles, *v_tile = tiles + kTileElements;
   __shared__ __align__(16) int32_t kv_docs[kTile], stage_docs[kStages][kTile];
   __shared__ __align__(16) float stage_lse[kStages][kTile], stage_delta[kStages][kTile];
   const int kb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, k0 = kb * kTile, count = m.q_count[kb];
+  const int warpgroup_row = warp / 4 * 64;
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
   auto q_block = [&](int j) { return m.q_index[kb * m.max_q + j]; };
   auto q_tile_of = [&](int j) { return tiles + (2 + 2 * (j % kStages)) * kTileElements; };
@@ -396,15 +375,16 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     const float *q_lse = stage_lse[stage], *q_delta = stage_delta[stage];
     const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
     for (int half = 0; half < kTile / kQueries; ++half) {
-      float st[N][4], dpt[N][4];  // [16 keys x 64 queries]
-      zero(st);
-      zero(dpt);
-      mma_a_bt(st, k_tile, warp * 16, q_tile, half * kQueries);
-      mma_a_bt(dpt, v_tile, warp * 16, dy_tile, half * kQueries);
+      float st[N][4], dpt[N][4];  // [64 keys x 64 queries] per warpgroup
+      wgmma_a_bt<kQueries>(st, k_tile, warpgroup_row, q_tile, half * kQueries);
+      wgmma_a_bt<kQueries>(dpt, v_tile, warpgroup_row, dy_tile, half * kQueries);
+      wgmma_wait_all(st, dpt);
       softmax_backward(st, dpt, q_lse, q_delta, masked, q0, k0, q_docs, kv_docs,
                        [&](int n, int e) { return half * kQueries + fragment_col(n, e); }, key_of);
-      mma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);
-      mma_p_b<kQueries / 16>(dk_acc, dpt, q_tile, half * kQueries);
+      wgmma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);
+      wgmma_p_b<kQueries / 16>(dk_acc, dpt, q_tile, half * kQueries);
+      // now, not at the next half: P and dS in flight beside the next scores would spill registers
+      wgmma_wait_all(dv_acc, dk_acc);
     }
   }
   store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);

@@ -1,4 +1,4 @@
-// The PTX instructions of the tensor-core kernels, one wrapper each (sm_80+ forms, and sm_90a's wgmma).
+// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, and sm_90a's wgmma).
 // Kept apart so that the CPU emulator of the tests (tests/emulator/ptx.cuh) can give each one its
 // documented meaning while the kernels around them run unchanged.
 #pragma once
@@ -21,32 +21,6 @@ __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\
 template <int pending_groups_left>
 __device__ inline void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(pending_groups_left) : "memory");
-}
-
-// Four 8 x 8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
-// l / 8 (16 bytes each) and receives in r[i] the elements (l / 4, 2 (l % 4) + {0, 1}) of matrix i.
-__device__ inline void ldmatrix_x4(uint32_t r[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
-}
-
-// The same, each matrix transposed: r[i] holds the elements (2 (l % 4) + {0, 1}, l / 4).
-__device__ inline void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
-}
-
-// c[16 x 8] += a[16 x 16] b[16 x 8], bf16 operands, fp32 accumulation, in the PTX fragment layouts
-// (lane l, g = l / 4, t = l % 4): a = {(g, 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..)},
-// b = {(2t.., g), (2t + 8.., g)}, c = {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}.
-__device__ inline void mma_bf16_16x8x16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // ---- wgmma (sm_90a): a warpgroup's (4 warps, 128 threads) asynchronous matrix product ----------
@@ -72,8 +46,8 @@ __device__ inline void wgmma_wait() {
 // the wgmma writes it late).
 __device__ inline void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// The 64 fp32 accumulator registers of an m64n128 product: the operand list and the asm text
-// naming them as %0..%63.
+// The fp32 accumulator registers of an m64n128 and an m64n64 product: the operand lists and the
+// asm text naming them as %0, %1, ...
 #define PTX_M64N128_ACCUMULATOR(d) \
       "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
       "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
@@ -88,11 +62,19 @@ __device__ inline void fence_operand(float& r) { asm volatile("" : "+f"(r)::"mem
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+#define PTX_M64N64_ACCUMULATOR(d) \
+      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define PTX_M64N64_ACCUMULATOR_TEXT \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
 
-// d[64 x 128] = A[64 x 16] B[16 x 128] (+ d when accumulate), bf16 operands, fp32 accumulation,
-// A and B from shared memory (A K-major; B K-major, or N-major with trans_b). Thread l of warp w
-// of the warpgroup holds d[n][e] at row 16 w + l / 4 + (e >= 2 ? 8 : 0), column
-// 8 n + 2 (l % 4) + (e & 1): mma.sync's m16n8 layout, repeated.
+// d[64 x N] = A[64 x 16] B[16 x N] (+ d when accumulate), bf16 operands, fp32 accumulation, A and B
+// from shared memory (A K-major; B K-major, or N-major with trans_b). Thread l of warp w of the
+// warpgroup holds d[n][e] at row 16 w + l / 4 + (e >= 2 ? 8 : 0), column 8 n + 2 (l % 4) + (e & 1):
+// mma.sync's m16n8 layout, repeated.
 template <int trans_b>
 __device__ inline void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -102,8 +84,19 @@ __device__ inline void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, u
                : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));
 }
 
-// The same with A from registers: the m16n8k16 A fragment of the warp's 16 rows of A (as
-// mma_bf16_16x8x16 takes it).
+template <int trans_b>
+__device__ inline void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PTX_M64N64_ACCUMULATOR_TEXT
+               "%32, %33, p, 1, 1, 0, %35;\n}\n"
+               : PTX_M64N64_ACCUMULATOR(d)
+               : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));
+}
+
+// d[64 x 128] (+)= A[64 x 16] B[16 x 128] with A from registers: thread l of warp w holds the
+// warp's 16 rows as mma.sync's m16n8k16 A fragment (g = l / 4, t = l % 4): a = {(g, 2t..),
+// (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..)}, pairs of bf16 (the lower column in the low half),
+// rows counted from 16 w.
 template <int trans_b>
 __device__ inline void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
                                           bool accumulate) {

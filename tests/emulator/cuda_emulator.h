@@ -5,7 +5,7 @@
 // kernels/ptx.cuh is replaced by tests/emulator/ptx.cuh.
 //
 // Each CUDA thread of a block is a fiber (its own stack, switched cooperatively on one host
-// thread), so __syncthreads and the warp-synchronous operations (shuffles, ldmatrix, mma) meet
+// thread), so __syncthreads and the warp-synchronous operations (shuffles, wgmma's fragments) meet
 // exactly as on the GPU, and a barrier some threads never reach is reported as a deadlock. Blocks
 // run one after another; every launch and copy completes before its call returns (streams and
 // events only order what is already ordered). What this cannot show: races between streams,

@@ -37,71 +37,6 @@ inline float bf16_bits_to_float(uint16_t bits) {
   return f;
 }
 
-inline uint32_t pair(const uint16_t* row, int col) { return uint32_t(row[col]) | uint32_t(row[col + 1]) << 16; }
-
-// ldmatrix: lane l's input is its row address; output register i is matrix i's pair at row
-// l / 4, columns 2 (l % 4) + {0, 1}, or with `trans` the pair at rows 2 (l % 4) + {0, 1}, column l / 4.
-template <bool trans>
-void ldmatrix_combine(const void* inputs, void* outputs) {
-  const auto* rows = static_cast<const uint16_t* const*>(inputs);
-  auto* r = static_cast<uint32_t(*)[4]>(outputs);
-  for (int lane = 0; lane < 32; ++lane)
-    for (int i = 0; i < 4; ++i) {
-      if (trans) {
-        const int first = 8 * i + 2 * (lane % 4);
-        r[lane][i] = uint32_t(rows[first][lane / 4]) | uint32_t(rows[first + 1][lane / 4]) << 16;
-      } else {
-        r[lane][i] = pair(rows[8 * i + lane / 4], 2 * (lane % 4));
-      }
-    }
-}
-
-inline void ldmatrix_x4(uint32_t r[4], const void* row) {
-  require_aligned(row, "ldmatrix row");
-  ::emu::warp_collective("ldmatrix.x4", &row, sizeof row, r, 4 * sizeof(uint32_t), ldmatrix_combine<false>);
-}
-
-inline void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
-  require_aligned(row, "ldmatrix row");
-  ::emu::warp_collective("ldmatrix.x4.trans", &row, sizeof row, r, 4 * sizeof(uint32_t), ldmatrix_combine<true>);
-}
-
-struct MmaFragments {
-  uint32_t a[4], b[2];
-};
-
-// The 16 x 8 product from the fragments of every lane; lane l's output is its four elements of it.
-inline void mma_combine(const void* inputs, void* outputs) {
-  const auto* in = static_cast<const MmaFragments*>(inputs);
-  float A[16][16], B[16][8];  // low half of a register = the lower column (A) or row (B)
-  for (int l = 0; l < 32; ++l) {
-    const int g = l / 4, t = l % 4;
-    for (int half = 0; half < 2; ++half) {
-      A[g][2 * t + half] = bf16_bits_to_float(uint16_t(in[l].a[0] >> (16 * half)));
-      A[g + 8][2 * t + half] = bf16_bits_to_float(uint16_t(in[l].a[1] >> (16 * half)));
-      A[g][2 * t + 8 + half] = bf16_bits_to_float(uint16_t(in[l].a[2] >> (16 * half)));
-      A[g + 8][2 * t + 8 + half] = bf16_bits_to_float(uint16_t(in[l].a[3] >> (16 * half)));
-      B[2 * t + half][g] = bf16_bits_to_float(uint16_t(in[l].b[0] >> (16 * half)));
-      B[2 * t + 8 + half][g] = bf16_bits_to_float(uint16_t(in[l].b[1] >> (16 * half)));
-    }
-  }
-  auto* d = static_cast<float(*)[4]>(outputs);
-  for (int l = 0; l < 32; ++l)
-    for (int e = 0; e < 4; ++e) {
-      const int row = l / 4 + (e >= 2 ? 8 : 0), col = 2 * (l % 4) + (e & 1);
-      float sum = 0;
-      for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
-      d[l][e] = sum;
-    }
-}
-
-inline void mma_bf16_16x8x16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  const MmaFragments mine = {{a[0], a[1], a[2], a[3]}, {b0, b1}};
-  float product[4];
-  ::emu::warp_collective("mma.m16n8k16", &mine, sizeof mine, product, sizeof product, mma_combine);
-  for (int e = 0; e < 4; ++e) c[e] += product[e];
-}
-
 inline uint32_t shared_address(const void* p) { return ::emu::shared_window_address(p); }
 
 // Proxy and register fences order what the GPU may reorder; the emulator runs in program order.
@@ -156,12 +91,12 @@ inline int linear_thread() {
 }
 inline int wgmma_first_row() { return linear_thread() / 32 % 4 * 16 + linear_thread() % 32 / 4; }
 
-// d[64 x 128] (this thread's 16 x 4 elements) = A[64 x 16] B[16 x 128] (+ d), B from its descriptor.
-template <int trans_b>
-void wgmma_product_into(float (&d)[16][4], const float (&a)[2][16], uint64_t desc_b, bool accumulate) {
+// d[64 x N] (this thread's N / 8 x 4 elements) = A[64 x 16] B[16 x N] (+ d), B from its descriptor.
+template <int trans_b, int tiles>
+void wgmma_product_into(float (&d)[tiles][4], const float (&a)[2][16], uint64_t desc_b, bool accumulate) {
   const SharedMatrix b(desc_b);
   const int t = linear_thread() % 4;
-  for (int n = 0; n < 16; ++n)
+  for (int n = 0; n < tiles; ++n)
     for (int e = 0; e < 4; ++e) {
       const int col = 8 * n + 2 * t + (e & 1);
       float sum = 0;
@@ -170,9 +105,9 @@ void wgmma_product_into(float (&d)[16][4], const float (&a)[2][16], uint64_t des
     }
 }
 
-// wgmma.mma_async.m64n128k16.f32.bf16.bf16 with A from shared memory (K-major).
-template <int trans_b>
-void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+// wgmma.mma_async.m64nNk16.f32.bf16.bf16 with A from shared memory (K-major).
+template <int trans_b, int tiles>
+void wgmma_ss(float (&d)[tiles][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   const int row = wgmma_first_row();
   ::emu::wgmma_issue([&d, desc_a, desc_b, accumulate, row] {
     const SharedMatrix a(desc_a);
@@ -183,7 +118,18 @@ void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bo
   });
 }
 
-// The same with A from registers: the m16n8k16 A fragment of the warp's 16 rows (read at the issue).
+template <int trans_b>
+void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  wgmma_ss<trans_b>(d, desc_a, desc_b, accumulate);
+}
+
+template <int trans_b>
+void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  wgmma_ss<trans_b>(d, desc_a, desc_b, accumulate);
+}
+
+// The m64n128k16 product with A from registers: the m16n8k16 A fragment of the warp's 16 rows
+// (read at the issue).
 template <int trans_b>
 void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
   uint32_t all[32][4];
@@ -198,9 +144,7 @@ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t des
       rows[0][2 * t + 8 + half] = bf16_bits_to_float(uint16_t(f[2] >> (16 * half)));
       rows[1][2 * t + 8 + half] = bf16_bits_to_float(uint16_t(f[3] >> (16 * half)));
     }
-  ::emu::wgmma_issue([&d, rows, desc_b, accumulate] {
-    wgmma_product_into<trans_b>(d, rows, desc_b, accumulate);
-  });
+  ::emu::wgmma_issue([&d, rows, desc_b, accumulate] { wgmma_product_into<trans_b>(d, rows, desc_b, accumulate); });
 }
 
 }  // namespace ptx

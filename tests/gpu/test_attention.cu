@@ -1,5 +1,5 @@
 // Attention against the CPU reference (the block lists themselves: tests/test_attention_mask.cu):
-// the flash forward's wgmma products alone, then forward (y) and backward (dq, dk, dv) of both
+// the flash kernels' wgmma products alone, then forward (y) and backward (dq, dk, dv) of both
 // implementations (the warp-per-row baseline and the tensor-core flash kernels) on random layouts
 // for every window size 1..14, long and short (W/2).
 #include "gpu/gpu_test.h"
@@ -133,10 +133,12 @@ std::vector<int> windows_to_check() {
   return all;
 }
 
-// The flash forward's two products alone, on one CTA: S = A B^T (wgmma, both tiles from shared
-// memory) and O = bf16(S) V (P from registers, V read N-major), the tiles loaded and aligned as the
-// forward loads them. Where the layouts, swizzle or descriptors are wrong, this says so directly.
-__global__ void wgmma_products_kernel(const bf16* a, const bf16* b, const bf16* v, float* s_out, float* o_out) {
+// The flash kernels' two kinds of product alone, on one CTA: S = A B^T (wgmma, both tiles from
+// shared memory) and O = bf16(S) V (P from registers, V read N-major), the tiles loaded and aligned
+// as the kernels load them. Where the layouts, swizzle or descriptors are wrong, this says so
+// directly.
+__global__ void wgmma_products_kernel(const bf16* a, const bf16* b, const bf16* v, float* s_out, float* o_out,
+                                      float* s_half_out) {
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = flash::align_to_swizzle_atom(shared_tiles);
   for (int t = 0; t < 3; ++t) flash::load_tile_async(tiles + t * flash::kTileElements, (t == 0 ? a : t == 1 ? b : v), D);
@@ -144,42 +146,53 @@ __global__ void wgmma_products_kernel(const bf16* a, const bf16* b, const bf16* 
   flash::wait_tiles();
   const int warp = threadIdx.x / 32;
   float s[flash::kTile / 8][4], o[D / 8][4];
-  flash::wgmma_a_bt(s, tiles, warp / 4 * 64, tiles + flash::kTileElements);
+  flash::wgmma_a_bt<flash::kTile>(s, tiles, warp / 4 * 64, tiles + flash::kTileElements, 0);
+  flash::wgmma_wait_all(s);
   flash::zero(o);
-  flash::wgmma_p_b(o, s, tiles + 2 * flash::kTileElements);
+  flash::wgmma_p_b<flash::kTile / 16>(o, s, tiles + 2 * flash::kTileElements, 0);
+  float s_half[flash::kTile / 16][4];  // the 64-column form the backward uses: B's rows 64..127
+  flash::wgmma_a_bt<flash::kTile / 2>(s_half, tiles, warp / 4 * 64, tiles + flash::kTileElements, 64);
+  flash::wgmma_wait_all(o, s_half);
   for (int n = 0; n < D / 8; ++n)
     for (int e = 0; e < 4; ++e) {
-      const int at = (warp * 16 + flash::fragment_row(e)) * D + flash::fragment_col(n, e);
+      const int row = warp * 16 + flash::fragment_row(e), at = row * D + flash::fragment_col(n, e);
       s_out[at] = s[n][e];
       o_out[at] = o[n][e];
+      if (n < flash::kTile / 16) s_half_out[row * 64 + flash::fragment_col(n, e)] = s_half[n][e];
     }
 }
 
 }  // namespace
 
-TEST_CASE("the forward's wgmma products of swizzled tiles: S = A B^T and O = bf16(S) V") {
+TEST_CASE("the flash kernels' wgmma products of swizzled tiles: S = A B^T (128 and 64 columns), O = bf16(S) V") {
   constexpr int n = flash::kTile;
   const std::vector<double> a = rounded_to_bf16(random_normal(n * D, 1)), b = rounded_to_bf16(random_normal(n * D, 2)),
                             v = rounded_to_bf16(random_normal(n * D, 3));
   DeviceBuffer<bf16> a_dev(to_bf16(a)), b_dev(to_bf16(b)), v_dev(to_bf16(v));
-  DeviceBuffer<float> s_dev(n * n), o_dev(n * D);
+  DeviceBuffer<float> s_dev(n * n), o_dev(n * D), s_half_dev(n * n / 2);
   s_dev.poison();
   o_dev.poison();
+  s_half_dev.poison();
   const size_t smem = 3 * flash::kTileElements * sizeof(bf16) + flash::kSwizzleAtomBytes;
   flash::set_shared_memory(wgmma_products_kernel, smem);
-  wgmma_products_kernel<<<1, flash::kThreads, smem>>>(a_dev.get(), b_dev.get(), v_dev.get(), s_dev.get(), o_dev.get());
+  wgmma_products_kernel<<<1, flash::kThreads, smem>>>(a_dev.get(), b_dev.get(), v_dev.get(), s_dev.get(), o_dev.get(),
+                                                       s_half_dev.get());
   CUDA_CHECK_LAUNCH();
-  const std::vector<double> s = to_double(s_dev.download()), o = to_double(o_dev.download());
-  std::vector<double> s_ref(n * n, 0.0), o_ref(n * D, 0.0);
+  const std::vector<double> s = to_double(s_dev.download()), o = to_double(o_dev.download()),
+                            s_half = to_double(s_half_dev.download());
+  std::vector<double> s_ref(n * n, 0.0), o_ref(n * D, 0.0), s_half_ref(n * n / 2);
   for (int i = 0; i < n; ++i)
-    for (int j = 0; j < n; ++j)
+    for (int j = 0; j < n; ++j) {
       for (int d = 0; d < D; ++d) s_ref[i * n + j] += a[i * D + d] * b[j * D + d];
+      if (j >= n / 2) s_half_ref[i * n / 2 + j - n / 2] = s_ref[i * n + j];
+    }
   const std::vector<double> p = rounded_to_bf16(s);  // the GPU's own scores, rounded as it rounds them
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < n; ++j)
       for (int c = 0; c < D; ++c) o_ref[i * D + c] += p[i * n + j] * v[j * D + c];
   CHECK_REL_ERROR(s, s_ref, 1e-5);
   CHECK_REL_ERROR(o, o_ref, 1e-5);
+  CHECK_REL_ERROR(s_half, s_half_ref, 1e-5);
 }
 
 TEST_CASE("forward and backward match the reference for windows 1..14, long and short") {
