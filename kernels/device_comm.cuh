@@ -73,6 +73,9 @@ class NcclCommunicator : public DeviceCommunicator {
     NCCL_CHECK(ncclGroupEnd());
   }
   void abort() override { NCCL_CHECK(ncclCommAbort(comm_)); }
+  // On a stream of its own: callers hold it to moments when no other collective of the communicator
+  // is in flight (the trainer's are after a step's or validation's sync), since collectives of one
+  // communicator on two streams at once may wait on each other across ranks and hang.
   double all_reduce_sum(double value) override {
     CUDA_CHECK(cudaMemcpyAsync(scalar_, &value, sizeof value, cudaMemcpyHostToDevice, scalar_stream_));
     NCCL_CHECK(ncclAllReduce(scalar_, scalar_, 1, ncclFloat64, ncclSum, comm_, scalar_stream_));

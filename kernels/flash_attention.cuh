@@ -11,7 +11,7 @@
 // Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
 // [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7), atoms of 8 rows
 // 1024-byte aligned. The tiles a CTA walks through are double-buffered: the next block's copies
-// (cp.async) fly while the current block is computed, since the 165-244 registers per thread leave
+// (cp.async) fly while the current block is computed, since the 170-244 registers per thread leave
 // room for one CTA per SM and no other CTA would hide the loads.
 #pragma once
 #include "kernels/attention.cuh"
@@ -95,13 +95,14 @@ __device__ inline uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Fences an accumulator read after the wait for the wgmma that wrote it.
-template <int N>
-__device__ inline void fence_accumulator(float (&acc)[N][4]) {
+// Pins an accumulator's (or A fragment's) register accesses to their side of a wgmma fence or
+// wait: writes before the issue stay before it, reads after the wait stay after it.
+template <typename T, int N>
+__device__ inline void fence_registers(T (&r)[N][4]) {
 #pragma unroll
   for (int n = 0; n < N; ++n)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) ptx::fence_operand(acc[n][e]);
+    for (int e = 0; e < 4; ++e) ptx::fence_operand(r[n][e]);
 }
 
 // Waits for all of the warpgroup's wgmma groups; the accumulators named may be read from here on,
@@ -109,7 +110,7 @@ __device__ inline void fence_accumulator(float (&acc)[N][4]) {
 template <typename... Accumulators>
 __device__ inline void wgmma_wait_all(Accumulators&... acc) {
   ptx::wgmma_wait<0>();
-  (fence_accumulator(acc), ...);
+  (fence_registers(acc), ...);
 }
 
 // Issues, as one group, s[64 x N] = A[a_row .. +64, 0..128) B[b_row .. +N, 0..128)^T for the
@@ -117,6 +118,7 @@ __device__ inline void wgmma_wait_all(Accumulators&... acc) {
 // per wgmma. The accumulator layout: see ptx::wgmma_m64n128k16_ss.
 template <int N>
 __device__ inline void wgmma_a_bt(float (&s)[N / 8][4], const bf16* a, int a_row, const bf16* b, int b_row) {
+  fence_registers(s);
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kAttentionHeadDim / 16; ++kk) {
@@ -144,6 +146,8 @@ __device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const f
     af[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
     af[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
   }
+  fence_registers(acc);
+  fence_registers(af);
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K; ++kk) {
@@ -193,6 +197,26 @@ __device__ inline void store_rows(bf16* out, const float (&acc)[kAttentionHeadDi
     }
 }
 
+// Walks the kv blocks listed for query block qb (forward and dq): block j's K and V tiles and
+// document ids land in stage j % kStages of `stages` ([kStages][K, V] tiles) while block j - 1 is
+// computed; body(kb, k_tile, v_tile, kv_docs) computes block kb. The copies the caller has issued
+// before (its fixed tiles) join block 0's group.
+template <typename Body>
+__device__ inline void walk_kv_blocks(bf16* stages, int32_t (&stage_docs)[kStages][kTile], const bf16* k,
+                                      const bf16* v, const AttentionTensors& a, const DeviceAttentionMask& m, int qb,
+                                      int h, Body body) {
+  const int count = m.kv_count[qb];
+  auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
+  auto k_tile_of = [&](int j) { return stages + 2 * (j % kStages) * kTileElements; };
+  auto load = [&](int j) { load_kv_tiles(k_tile_of(j), stage_docs[j % kStages], k, v, a, m.docs, h, kv_block(j) * kTile); };
+  if (count > 0) load(0);
+  for (int j = 0; j < count; ++j) {
+    wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
+    if (j + 1 < count) load(j + 1);
+    body(kv_block(j), k_tile_of(j), k_tile_of(j) + kTileElements, stage_docs[j % kStages]);
+  }
+}
+
 // Forward: per (query block, head), online softmax over the listed kv blocks.
 __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y,
                                                            float* lse, AttentionTensors a, DeviceAttentionMask m) {
@@ -200,27 +224,17 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, then per stage K and V
   bf16* q_tile = tiles;
   __shared__ __align__(16) int32_t q_docs[kTile], stage_docs[kStages][kTile];
-  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
+  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile;
   const int warpgroup_row = warp / 4 * 64;
-  auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
-  auto k_tile_of = [&](int j) { return tiles + (1 + 2 * (j % kStages)) * kTileElements; };
-  auto load_kv = [&](int j) {  // the j-th listed kv block into stage j % kStages
-    load_kv_tiles(k_tile_of(j), stage_docs[j % kStages], k, v, a, m.docs, h, kv_block(j) * kTile);
-  };
   load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
   load_values_async(q_docs, m.docs + q0, 32);
-  if (count > 0) load_kv(0);
 
   constexpr int N = kTile / 8;
   float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0};
   zero(o);
-  for (int j = 0; j < count; ++j) {
-    wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
-    if (j + 1 < count) load_kv(j + 1);
-    const int kb = kv_block(j), k0 = kb * kTile;
-    const bf16 *k_tile = k_tile_of(j), *v_tile = k_tile + kTileElements;
-    const int32_t* kv_docs = stage_docs[j % kStages];
-
+  walk_kv_blocks(tiles + kTileElements, stage_docs, k, v, a, m, qb, h,
+                 [&](int kb, const bf16* k_tile, const bf16* v_tile, const int32_t* kv_docs) {
+    const int k0 = kb * kTile;
     float s[N][4];
     wgmma_a_bt<kTile>(s, q_tile, warpgroup_row, k_tile, 0);
     wgmma_wait_all(s);
@@ -257,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
       for (int e = 0; e < 4; ++e) o[n][e] *= correction[e / 2];
     wgmma_p_b<kTile / 16>(o, s, v_tile, 0);
     wgmma_wait_all(o);  // before the barrier after which block j + 2 refills this stage
-  }
+  });
   float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
   store_rows(y, o, q0 + warp * 16, h, a.H, 1.0f / total[0], 1.0f / total[1]);
   if (threadIdx.x % 4 == 0)
@@ -293,30 +307,21 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
   bf16 *q_tile = tiles, *dy_tile = tiles + kTileElements;
   __shared__ __align__(16) int32_t q_docs[kTile], stage_docs[kStages][kTile];
   __shared__ __align__(16) float q_lse[kTile], q_delta[kTile];
-  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
+  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile;
   const int warpgroup_row = warp / 4 * 64;
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
-  auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
-  auto k_tile_of = [&](int j) { return tiles + (2 + 2 * (j % kStages)) * kTileElements; };
-  auto load_kv = [&](int j) {  // the j-th listed kv block into stage j % kStages
-    load_kv_tiles(k_tile_of(j), stage_docs[j % kStages], k, v, a, m.docs, h, kv_block(j) * kTile);
-  };
   load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
   load_tile_async(dy_tile, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
   load_values_async(q_docs, m.docs + q0, 32);
   load_values_async(q_lse, lse + size_t(h) * a.T + q0, 64);
   load_values_async(q_delta, delta + size_t(h) * a.T + q0, 96);
-  if (count > 0) load_kv(0);
   constexpr int kKeys = 64, N = kKeys / 8;
   float dq_acc[kAttentionHeadDim / 8][4];
   zero(dq_acc);
   auto query_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
-  for (int j = 0; j < count; ++j) {
-    wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
-    if (j + 1 < count) load_kv(j + 1);
-    const int kb = kv_block(j), k0 = kb * kTile;
-    const bf16 *k_tile = k_tile_of(j), *v_tile = k_tile + kTileElements;
-    const int32_t* kv_docs = stage_docs[j % kStages];
+  walk_kv_blocks(tiles + 2 * kTileElements, stage_docs, k, v, a, m, qb, h,
+                 [&](int kb, const bf16* k_tile, const bf16* v_tile, const int32_t* kv_docs) {
+    const int k0 = kb * kTile;
     const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
     for (int half = 0; half < kTile / kKeys; ++half) {
       float s[N][4], dp[N][4];
@@ -328,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
       wgmma_p_b<kKeys / 16>(dq_acc, dp, k_tile, half * kKeys);
     }
     wgmma_wait_all(dq_acc);  // before the barrier after which block j + 2 refills this stage
-  }
+  });
   store_rows(dq, dq_acc, q0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
 }
 

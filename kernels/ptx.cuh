@@ -42,9 +42,10 @@ __device__ inline void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending_groups_left) : "memory");
 }
 
-// Keeps the compiler from moving reads of an accumulator across the wait (it cannot see that
-// the wgmma writes it late).
+// Keeps the compiler from moving an operand register's accesses across a wgmma fence or wait (it
+// cannot see that the wgmma reads its operands and writes its accumulator late).
 __device__ inline void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ inline void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 // The fp32 accumulator registers of an m64n128 and an m64n64 product: the operand lists and the
 // asm text naming them as %0, %1, ...

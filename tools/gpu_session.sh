@@ -4,7 +4,8 @@
 # tests labelled slow, side by side: minutes of CPU reference each), `bench` (our kernel benchmark
 # and PyTorch's beside it), or `all`. Every phase configures and builds first: the machine goes
 # back 30 s after a call, so a later phase usually starts bare (and on a warm one the build is a
-# no-op). The cpu tests are CI's, not run here. Outputs go to $OUT (the device tool's folder) or
+# no-op). Only the gpu tests' targets and the benchmark are built: the cpu tests (the emulated
+# ones, the frozen trainers) are CI's. Outputs go to $OUT (the device tool's folder) or
 # ./gpu_session/; a short summary table comes last.
 # Usage: tools/gpu_session.sh [build|slow|bench|all]
 set -uo pipefail
@@ -28,7 +29,7 @@ case $phase in build | slow | bench | all) ;; *) echo "usage: $0 [build|slow|ben
 generator=()
 [[ ! -f build/CMakeCache.txt ]] && command -v ninja >/dev/null && generator=(-G Ninja)
 step configure cmake --preset release "${generator[@]}" || { printf '%s\n' "${status[@]}"; exit 1; }
-step build cmake --build build -j "$(nproc)" || { printf '%s\n' "${status[@]}"; exit 1; }
+step build cmake --build build -j "$(nproc)" --target gpu_tests bench_kernels || { printf '%s\n' "${status[@]}"; exit 1; }
 if [[ $phase == build || $phase == all ]]; then
   step gpu_tests ctest --test-dir build -L gpu -LE slow --output-on-failure --timeout 900
 fi

@@ -31,6 +31,8 @@ namespace emu {
 
 struct ThreadPosition {
   dim3 thread, block, block_dim, grid_dim;
+  // The thread's index in its block, x fastest: warps are runs of 32 of these.
+  int linear_index() const { return int(thread.x + block_dim.x * (thread.y + block_dim.y * thread.z)); }
 };
 const ThreadPosition& position();  // of the running CUDA thread
 
@@ -63,6 +65,12 @@ void async_copy_wait(int pending_groups_left);
 void wgmma_issue(std::function<void()> land);
 void wgmma_commit();
 void wgmma_wait(int pending_groups_left);
+// The fences order nothing here (fibers run in program order), but their absence is fatal: each
+// wgmma group must begin after a wgmma.fence (PTX wants one wherever registers it uses were touched
+// since the last; the kernels fence every group), and no wgmma may be issued while a thread's
+// landed cp.async copies wait for its fence.proxy.async (wgmma reads through the async proxy).
+void wgmma_fence();
+void proxy_async_fence();
 
 // The shared-window address of a byte of dynamic shared memory, as __cvta_generic_to_shared gives
 // it, and back. The window's dynamic part starts at kDynamicSharedWindowBase, which is not a

@@ -39,10 +39,12 @@ inline float bf16_bits_to_float(uint16_t bits) {
 
 inline uint32_t shared_address(const void* p) { return ::emu::shared_window_address(p); }
 
-// Proxy and register fences order what the GPU may reorder; the emulator runs in program order.
-inline void fence_proxy_async_shared() {}
-inline void wgmma_fence() {}
+// Fences order what the GPU may reorder; the emulator runs in program order but checks that the
+// proxy and wgmma fences are there (cuda_emulator.h).
+inline void fence_proxy_async_shared() { ::emu::proxy_async_fence(); }
+inline void wgmma_fence() { ::emu::wgmma_fence(); }
 inline void fence_operand(float&) {}
+inline void fence_operand(uint32_t&) {}
 
 inline void wgmma_commit() { ::emu::wgmma_commit(); }
 
@@ -85,10 +87,7 @@ struct SharedMatrix {
 
 // The thread's rows of the 64-row product: warp w of the warpgroup holds rows 16 w + lane / 4 and
 // that + 8 (the m16n8 accumulator layout, repeated over N / 8 column tiles).
-inline int linear_thread() {
-  const auto& p = ::emu::position();
-  return int(p.thread.x + p.block_dim.x * (p.thread.y + p.block_dim.y * p.thread.z));
-}
+inline int linear_thread() { return ::emu::position().linear_index(); }
 inline int wgmma_first_row() { return linear_thread() / 32 % 4 * 16 + linear_thread() % 32 / 4; }
 
 // d[64 x N] (this thread's N / 8 x 4 elements) = A[64 x 16] B[16 x N] (+ d), B from its descriptor.

@@ -106,6 +106,8 @@ struct Fiber {
   std::deque<std::vector<PendingCopy>> committed;   // groups in flight, oldest first
   std::vector<std::function<void()>> wgmma_uncommitted;
   std::deque<std::vector<std::function<void()>>> wgmma_committed;
+  bool wgmma_fenced = false;     // a wgmma.fence since the last commit
+  bool copies_unfenced = false;  // cp.async copies landed since the last fence.proxy.async
 };
 
 // The block being run on this host thread.
@@ -130,10 +132,6 @@ thread_local HostThread host;
 
 void yield() { emu_switch_stack(&host.running->sp, host.scheduler_sp); }
 
-int linear_index(const ThreadPosition& p) {
-  return int(p.thread.x + p.block_dim.x * (p.thread.y + p.block_dim.y * p.thread.z));
-}
-
 // Releases the block's barrier once every live thread has arrived (an exiting thread may be the
 // last one it waited for).
 bool release_barrier_if_complete(Block& b) {
@@ -151,7 +149,7 @@ void fiber_main(void*) {
   me.done = true;
   Block& b = host.block;
   --b.live;
-  --b.warps[linear_index(me.position) / 32].live;
+  --b.warps[me.position.linear_index() / 32].live;
   ++b.progress;
   release_barrier_if_complete(b);
   emu_switch_stack(&me.sp, host.scheduler_sp);
@@ -252,16 +250,30 @@ void async_copy_wait(int pending_groups_left) {
   Fiber& f = *host.running;
   while (int(f.committed.size()) > pending_groups_left) {
     for (const PendingCopy& c : f.committed.front()) std::memcpy(c.shared, c.data, kAsyncCopyBytes);
+    f.copies_unfenced |= !f.committed.front().empty();
     f.committed.pop_front();
   }
 }
 
-void wgmma_issue(std::function<void()> land) { host.running->wgmma_uncommitted.push_back(std::move(land)); }
+void proxy_async_fence() { host.running->copies_unfenced = false; }
+
+void wgmma_fence() { host.running->wgmma_fenced = true; }
+
+void wgmma_issue(std::function<void()> land) {
+  Fiber& f = *host.running;
+  if (!f.wgmma_fenced) fatal("a wgmma group begun without a wgmma.fence");
+  for (const Fiber& other : host.block.fibers)
+    if (other.copies_unfenced)
+      fatal("wgmma issued while thread " + std::to_string(other.position.linear_index()) +
+            "'s landed cp.async copies are not fenced for the async proxy (fence.proxy.async)");
+  f.wgmma_uncommitted.push_back(std::move(land));
+}
 
 void wgmma_commit() {
   Fiber& f = *host.running;
   f.wgmma_committed.push_back(std::move(f.wgmma_uncommitted));
   f.wgmma_uncommitted.clear();
+  f.wgmma_fenced = false;
 }
 
 void wgmma_wait(int pending_groups_left) {
@@ -304,7 +316,7 @@ void warp_collective(const char* what, const void* in, size_t in_bytes, void* ou
                      WarpCombine combine) {
   if (in_bytes > kSlotBytes || out_bytes > kSlotBytes) fatal("a warp operation on more than 32 bytes per lane");
   Block& b = host.block;
-  const int lane_linear = linear_index(host.running->position);
+  const int lane_linear = host.running->position.linear_index();
   Warp& w = b.warps[lane_linear / 32];
   const int lane = lane_linear % 32;
   const int lanes = std::min(32, int(b.fibers.size()) - lane_linear / 32 * 32);
