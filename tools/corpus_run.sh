@@ -5,7 +5,8 @@
 #                                   git); send them with the device tool's carry: [".carry"]
 #   tools/corpus_run.sh steps [K]   there: step time of M = 1 and M = 8 (and M = 8 through a
 #                                   one-rank NCCL communicator) over the window schedule of a K-step
-#                                   run (default 20), tokens/s and MFU, as a table
+#                                   run (default 20), tokens/s and MFU, as a table; then where step 5
+#                                   of the M = 8 run spent its time (its timeline, also into $OUT)
 #   tools/corpus_run.sh full [N]    there: N (default 1) runs of the recipe on one GPU as the issue
 #                                   asks: M = 1, 860 iterations, validation of 10,485,760 tokens every
 #                                   125 steps; logs in logs/ (and $OUT/logs when set), then their
@@ -48,6 +49,7 @@ steps() {
   for run in "1 none" "8 none" "8 nccl"; do
     local M=${run% *} comm=${run#* } name="M${run% *}_${run#* }" extra=()
     [[ $comm == nccl ]] && extra=(--nccl-single-rank)
+    [[ $name == M8_none ]] && extra=(--timeline-step 5)
     "$trainer" "${data_flags[@]}" --micro-batches "$M" --num-iterations "$K" --val-every 0 --val-tokens 262144 \
       --warmup-steps 3 --log-dir "$work/logs_$name" --checkpoint-dir "$work/checkpoints" "${extra[@]}" \
       >"$work/console_$name.txt"
@@ -61,6 +63,10 @@ steps() {
       rate = t / (ms / 1000)
       printf "| %d | %s | %d | %.1f | %.0f | %.1f%% |\n", m, c, t, ms, rate, mfu * rate / tps }'
   done
+  local trace=$work/logs_M8_none/timeline_rank0_step5.json
+  echo
+  python3 tools/timeline_summary.py "$trace"
+  if [[ -n ${OUT:-} ]]; then cp "$trace" "$OUT/"; fi
   rm -rf "$work"
 }
 
