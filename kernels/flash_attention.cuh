@@ -11,8 +11,10 @@
 // Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
 // [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7), atoms of 8 rows
 // 1024-byte aligned. The tiles a CTA walks through are double-buffered: the next block's copies
-// (cp.async) fly while the current block is computed, since the 170-244 registers per thread leave
-// room for one CTA per SM and no other CTA would hide the loads.
+// (cp.async) fly while the current block is computed, since the 188-250 registers per thread leave
+// room for one CTA per SM and no other CTA would hide the loads. The forward also overlaps each
+// block's softmax with the previous block's P V product (FlashAttention-3's intra-warpgroup
+// pipelining).
 #pragma once
 #include "kernels/attention.cuh"
 #include "kernels/ptx.cuh"
@@ -82,10 +84,11 @@ __device__ inline void load_kv_tiles(bf16* k_tile, int32_t* kv_docs, const bf16*
   ptx::cp_async_commit();
 }
 
-// Every committed copy of every thread has landed (visible to wgmma too), and every warp is done
-// with what it read before.
+// Every committed copy of every thread but its newest `pending_groups_left` groups has landed
+// (visible to wgmma too), and every warp is done with what it read before.
+template <int pending_groups_left = 0>
 __device__ inline void wait_tiles() {
-  ptx::cp_async_wait_group<0>();
+  ptx::cp_async_wait_group<pending_groups_left>();
   ptx::fence_proxy_async_shared();
   __syncthreads();
 }
@@ -197,7 +200,7 @@ __device__ inline void store_rows(bf16* out, const float (&acc)[kAttentionHeadDi
     }
 }
 
-// Walks the kv blocks listed for query block qb (forward and dq): block j's K and V tiles and
+// Walks the kv blocks listed for query block qb (the dq kernel): block j's K and V tiles and
 // document ids land in stage j % kStages of `stages` ([kStages][K, V] tiles) while block j - 1 is
 // computed; body(kb, k_tile, v_tile, kv_docs) computes block kb. The copies the caller has issued
 // before (its fixed tiles) join block 0's group.
@@ -217,61 +220,111 @@ __device__ inline void walk_kv_blocks(bf16* stages, int32_t (&stage_docs)[kStage
   }
 }
 
-// Forward: per (query block, head), online softmax over the listed kv blocks.
+// One kv block's step of the online softmax on a warp's 16 rows: the scores s of kv block k0
+// become P = exp2(scale s - running max) (0 where masked), row_max and row_sum move on, and
+// `correction` is what the output accumulated so far must be scaled by.
+__device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                      float (&correction)[2], bool masked, int q0, int k0, const int32_t* q_docs,
+                                      const int32_t* kv_docs) {
+  constexpr int N = kTile / 8;
+  const int warp = threadIdx.x / 32;
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int row = warp * 16 + fragment_row(e), col = fragment_col(n, e);
+      bool allowed = !masked || (k0 + col <= q0 + row && kv_docs[col] == q_docs[row]);
+      s[n][e] = allowed ? s[n][e] * kScaleLog2 : -INFINITY;
+      tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+    }
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float new_max = fmaxf(row_max[r], quad_max(tile_max[r]));
+    base[r] = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing allowed yet stays at zero
+    correction[r] = exp2f(row_max[r] - base[r]);
+    row_max[r] = new_max;
+    row_sum[r] *= correction[r];
+  }
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] = exp2f(s[n][e] - base[e / 2]);
+      row_sum[e / 2] += s[n][e];
+    }
+}
+
+// Forward: per (query block, head), online softmax over the listed kv blocks. Each warpgroup
+// overlaps the softmax of block j + 1 with block j's product P V on the tensor cores: it issues
+// S(j + 1) = Q K(j + 1)^T and then O += P(j) V(j), waits for the scores only, and waits for O just
+// before rescaling it. So K runs one block ahead of V: K and the document ids of block j + 2 and V
+// of block j + 1 are copied while block j's products run, each into the buffer (of two) whose
+// previous reader has been waited for before the barrier that starts block j.
 __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y,
                                                            float* lse, AttentionTensors a, DeviceAttentionMask m) {
   extern __shared__ __align__(128) bf16 shared_tiles[];
-  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, then per stage K and V
+  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, K of even and odd blocks, V of even and odd blocks
   bf16* q_tile = tiles;
-  __shared__ __align__(16) int32_t q_docs[kTile], stage_docs[kStages][kTile];
-  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile;
+  __shared__ __align__(16) int32_t q_docs[kTile], k_docs[2][kTile];
+  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
   const int warpgroup_row = warp / 4 * 64;
-  load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
-  load_values_async(q_docs, m.docs + q0, 32);
+  auto k0_of = [&](int j) { return m.kv_index[qb * m.max_kv + j] * kTile; };  // the j-th listed kv block
+  auto k_tile = [&](int j) { return tiles + (1 + j % 2) * kTileElements; };
+  auto v_tile = [&](int j) { return tiles + (3 + j % 2) * kTileElements; };
+  auto load_k = [&](int j) {  // with the block's document ids
+    load_tile_async(k_tile(j), k + k0_of(j) * a.k_stride + h * kAttentionHeadDim, a.k_stride);
+    load_values_async(k_docs[j % 2], m.docs + k0_of(j), 0);
+  };
+  auto load_v = [&](int j) { load_tile_async(v_tile(j), v + k0_of(j) * a.v_stride + h * kAttentionHeadDim, a.v_stride); };
 
   constexpr int N = kTile / 8;
-  float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0};
+  static_assert(N == kAttentionHeadDim / 8, "scores and output tiles share their fragment loops");
+  float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0}, correction[2];
   zero(o);
-  walk_kv_blocks(tiles + kTileElements, stage_docs, k, v, a, m, qb, h,
-                 [&](int kb, const bf16* k_tile, const bf16* v_tile, const int32_t* kv_docs) {
-    const int k0 = kb * kTile;
-    float s[N][4];
-    wgmma_a_bt<kTile>(s, q_tile, warpgroup_row, k_tile, 0);
+  auto softmax_of_block = [&](float (&s)[N][4], int j) {
+    const bool masked = needs_mask(qb, k0_of(j) / kTile, q_docs, k_docs[j % 2]);
+    online_softmax(s, row_max, row_sum, correction, masked, q0, k0_of(j), q_docs, k_docs[j % 2]);
+  };
+  load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
+  load_values_async(q_docs, m.docs + q0, 32);
+  if (count > 0) {
+    load_k(0);
+    ptx::cp_async_commit();  // the first scores wait for this group only
+    load_v(0);
+    if (count > 1) load_k(1);
+    ptx::cp_async_commit();
+    wait_tiles<1>();
+    float s[N][4], s_next[N][4];  // P of block j, scores of block j + 1
+    wgmma_a_bt<kTile>(s, q_tile, warpgroup_row, k_tile(0), 0);
     wgmma_wait_all(s);
-    const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
-    float tile_max[2] = {-INFINITY, -INFINITY};
+    softmax_of_block(s, 0);
+    // The last block has no next scores: peeled, so that every product in the loop is issued
+    // unconditionally (a conditional one makes ptxas serialise the wgmma).
+    for (int j = 0; j + 1 < count; ++j) {
+      wait_tiles();  // V(j), K(j + 1) are in; every warp is done with S(j) and P(j - 1) V(j - 1)
+      if (j + 2 < count) load_k(j + 2);
+      load_v(j + 1);
+      ptx::cp_async_commit();
+      wgmma_a_bt<kTile>(s_next, q_tile, warpgroup_row, k_tile(j + 1), 0);
+      wgmma_p_b<kTile / 16>(o, s, v_tile(j), 0);
+      ptx::wgmma_wait<1>();  // the scores; P(j) V(j) runs on beside the softmax
+      fence_registers(s_next);
+      softmax_of_block(s_next, j + 1);
+      wgmma_wait_all(o);
 #pragma unroll
-    for (int n = 0; n < N; ++n)
+      for (int n = 0; n < N; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int row = warp * 16 + fragment_row(e), col = fragment_col(n, e);
-        bool allowed = !masked || (k0 + col <= q0 + row && kv_docs[col] == q_docs[row]);
-        s[n][e] = allowed ? s[n][e] * kScaleLog2 : -INFINITY;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
-      }
-    float correction[2], base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float new_max = fmaxf(row_max[r], quad_max(tile_max[r]));
-      base[r] = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing allowed yet stays at zero
-      correction[r] = exp2f(row_max[r] - base[r]);
-      row_max[r] = new_max;
-      row_sum[r] *= correction[r];
+        for (int e = 0; e < 4; ++e) {
+          o[n][e] *= correction[e / 2];
+          s[n][e] = s_next[n][e];
+        }
     }
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[n][e] = exp2f(s[n][e] - base[e / 2]);
-        row_sum[e / 2] += s[n][e];
-      }
-#pragma unroll
-    for (int n = 0; n < kAttentionHeadDim / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[n][e] *= correction[e / 2];
-    wgmma_p_b<kTile / 16>(o, s, v_tile, 0);
-    wgmma_wait_all(o);  // before the barrier after which block j + 2 refills this stage
-  });
+    wait_tiles();
+    wgmma_p_b<kTile / 16>(o, s, v_tile(count - 1), 0);
+    wgmma_wait_all(o);
+  }
   float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
   store_rows(y, o, q0 + warp * 16, h, a.H, 1.0f / total[0], 1.0f / total[1]);
   if (threadIdx.x % 4 == 0)
