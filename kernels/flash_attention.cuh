@@ -274,8 +274,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
   auto k_tile = [&](int j) { return tiles + (1 + j % 2) * kTileElements; };
   auto v_tile = [&](int j) { return tiles + (3 + j % 2) * kTileElements; };
   auto load_k = [&](int j) {  // with the block's document ids
-    load_tile_async(k_tile(j), k + k0_of(j) * a.k_stride + h * kAttentionHeadDim, a.k_stride);
-    load_values_async(k_docs[j % 2], m.docs + k0_of(j), 0);
+    const int k0 = k0_of(j);
+    load_tile_async(k_tile(j), k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
+    load_values_async(k_docs[j % 2], m.docs + k0, 0);
   };
   auto load_v = [&](int j) { load_tile_async(v_tile(j), v + k0_of(j) * a.v_stride + h * kAttentionHeadDim, a.v_stride); };
 
@@ -284,8 +285,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
   float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0}, correction[2];
   zero(o);
   auto softmax_of_block = [&](float (&s)[N][4], int j) {
-    const bool masked = needs_mask(qb, k0_of(j) / kTile, q_docs, k_docs[j % 2]);
-    online_softmax(s, row_max, row_sum, correction, masked, q0, k0_of(j), q_docs, k_docs[j % 2]);
+    const int k0 = k0_of(j);
+    const bool masked = needs_mask(qb, k0 / kTile, q_docs, k_docs[j % 2]);
+    online_softmax(s, row_max, row_sum, correction, masked, q0, k0, q_docs, k_docs[j % 2]);
   };
   load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
   load_values_async(q_docs, m.docs + q0, 32);

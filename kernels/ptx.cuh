@@ -47,30 +47,24 @@ __device__ inline void wgmma_wait() {
 __device__ inline void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ inline void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-// The fp32 accumulator registers of an m64n128 and an m64n64 product: the operand lists and the
-// asm text naming them as %0, %1, ...
-#define PTX_M64N128_ACCUMULATOR(d) \
-      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-      "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-      "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-      "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-      "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-#define PTX_M64N128_ACCUMULATOR_TEXT \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+// The fp32 accumulator registers of an m64n64 and an m64n128 product: the operand lists and the
+// asm text naming them as %0, %1, ... (the m64n128 list is the m64n64 one and eight tiles more).
+#define PTX_ACCUMULATOR_TILE(d, n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
+#define PTX_M64N64_ACCUMULATOR(d)                                                                          \
+  PTX_ACCUMULATOR_TILE(d, 0), PTX_ACCUMULATOR_TILE(d, 1), PTX_ACCUMULATOR_TILE(d, 2), PTX_ACCUMULATOR_TILE(d, 3), \
+      PTX_ACCUMULATOR_TILE(d, 4), PTX_ACCUMULATOR_TILE(d, 5), PTX_ACCUMULATOR_TILE(d, 6), PTX_ACCUMULATOR_TILE(d, 7)
+#define PTX_M64N128_ACCUMULATOR(d)                                                                            \
+  PTX_M64N64_ACCUMULATOR(d), PTX_ACCUMULATOR_TILE(d, 8), PTX_ACCUMULATOR_TILE(d, 9), PTX_ACCUMULATOR_TILE(d, 10), \
+      PTX_ACCUMULATOR_TILE(d, 11), PTX_ACCUMULATOR_TILE(d, 12), PTX_ACCUMULATOR_TILE(d, 13),                     \
+      PTX_ACCUMULATOR_TILE(d, 14), PTX_ACCUMULATOR_TILE(d, 15)
+#define PTX_ACCUMULATOR_NAMES_0_TO_31                                                                     \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                              \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define PTX_M64N64_ACCUMULATOR_TEXT "{" PTX_ACCUMULATOR_NAMES_0_TO_31 "}, "
+#define PTX_M64N128_ACCUMULATOR_TEXT                                                                    \
+  "{" PTX_ACCUMULATOR_NAMES_0_TO_31 ", "                                                              \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                   \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-#define PTX_M64N64_ACCUMULATOR(d) \
-      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-#define PTX_M64N64_ACCUMULATOR_TEXT \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
 
 // d[64 x N] = A[64 x 16] B[16 x N] (+ d when accumulate), bf16 operands, fp32 accumulation, A and B
 // from shared memory (A K-major; B K-major, or N-major with trans_b). Thread l of warp w of the
