@@ -1,17 +1,19 @@
 // Matmuls through cuBLASLt: bf16 (or FP8, see MatmulOptions) operands, fp32 accumulation, bf16 or
 // fp32 output, row-major interface. One plan (descriptors + heuristic algorithm) is cached per
-// shape and options; the workspace is shared. The three products of a linear layer y = x W^T
-// (x [tokens, in], W [out, in]):
+// shape, options and buffer alignment; the workspace is shared. The three products of a linear
+// layer y = x W^T (x [tokens, in], W [out, in]):
 //   forward      y[t, out]  = x W^T        matmul(x, N, W, T, y, tokens, out, in)
 //   input grad  dx[t, in]   = dy W         matmul(dy, N, W, N, dx, tokens, in, out)
 //   weight grad dW[out, in] = dy^T x       matmul(dy, T, x, N, dW, out, in, tokens), beta 1 accumulates
 #pragma once
 #include "kernels/cuda_check.cuh"
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <stdexcept>
 #include <tuple>
+#include <utility>
 
 enum class Transpose { N, T };
 
@@ -67,20 +69,26 @@ class Matmul {
                   cudaDataType_t c_type, const MatmulOptions& o, cudaStream_t stream, float alpha = 1.0f,
                   float beta = 0.0f) {
     if (!is_fp8(o.a_type) && (o.a_scale || o.b_scale)) throw std::invalid_argument("scales are for FP8 operands");
+    const void* addend = o.addend ? o.addend : C;
+    const MatmulBatch& b = o.batch;
+    const Alignments alignments{alignment(A, b, b.stride_a, o.a_type), alignment(B, b, b.stride_b, o.b_type),
+                                alignment(addend, b, b.stride_c, c_type), alignment(C, b, b.stride_c, c_type)};
     const Plan& plan = plan_for({M, N, K, ta == Transpose::T, tb == Transpose::T, c_type, o.a_type, o.b_type,
-                                 o.fast_accum, o.batch.count, o.batch.stride_a, o.batch.stride_b, o.batch.stride_c},
+                                 o.fast_accum, b.count, b.stride_a, b.stride_b, b.stride_c, alignments},
                                 o);
     if (is_fp8(o.a_type)) set_scales(plan, o);  // the plan may have been made with other scale buffers
     // cuBLASLt is column-major: compute C^T[N, M] = op(B)^T op(A)^T, i.e. B first.
-    const void* addend = o.addend ? o.addend : C;
     CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, B, plan.b, A, plan.a, &beta, addend, plan.c, C, plan.c,
                                 &plan.algo, workspace_, workspace_bytes_, stream));
   }
 
  private:
-  // M, N, K, transA, transB, C type, A type, B type, fast accumulation, batch count and strides
+  // Bytes to which every batch of A, B, the addend and C is aligned, at most 256: cuBLASLt's heuristic
+  // assumes 256 unless told less, and may pick an algorithm that fails on a less aligned slice.
+  using Alignments = std::array<uint32_t, 4>;
+  // M, N, K, transA, transB, C type, A type, B type, fast accumulation, batch count and strides, alignments
   using Key = std::tuple<int, int, int, bool, bool, cudaDataType_t, cudaDataType_t, cudaDataType_t, bool, int, int64_t,
-                         int64_t, int64_t>;
+                         int64_t, int64_t, Alignments>;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
@@ -90,7 +98,8 @@ class Matmul {
   const Plan& plan_for(const Key& key, const MatmulOptions& o) {
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second;
-    auto [M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum, batch, stride_a, stride_b, stride_c] = key;
+    auto [M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum, batch, stride_a, stride_b, stride_c,
+          alignments] = key;
     check_types(M, N, K, trans_a, trans_b, a_type, b_type, fast_accum);
     Plan p;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -116,6 +125,13 @@ class Matmul {
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                       &workspace_bytes_, sizeof(workspace_bytes_)));
+    // The column-major call's A is our B and its B our A; its C is the addend, its D our C.
+    const auto [a_bytes, b_bytes, addend_bytes, c_bytes] = alignments;
+    for (auto [attribute, bytes] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b_bytes},
+                                    std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a_bytes},
+                                    std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, addend_bytes},
+                                    std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c_bytes}})
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof(bytes)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.b, p.a, p.c, p.c, pref, 1, &result, &found));
@@ -144,6 +160,14 @@ class Matmul {
     if (M % 16 || N % 16 || K % 16)
       throw std::invalid_argument("FP8 matmul " + std::to_string(M) + "x" + std::to_string(N) + "x" +
                                   std::to_string(K) + ": every dimension must be a multiple of 16");
+  }
+
+  // The largest power of two, up to 256, dividing the buffer's address and (batched) its stride in bytes.
+  static uint32_t alignment(const void* p, const MatmulBatch& batch, int64_t stride, cudaDataType_t type) {
+    const size_t element_bytes = type == CUDA_R_32F ? 4 : type == CUDA_R_16BF ? 2 : 1;
+    uint64_t bits = reinterpret_cast<uintptr_t>(p) | 256;
+    if (batch.count > 1) bits |= uint64_t(stride) * element_bytes;
+    return uint32_t(bits & ~(bits - 1));  // the lowest set bit
   }
 
   static void set_batch(cublasLtMatrixLayout_t layout, int count, int64_t stride) {

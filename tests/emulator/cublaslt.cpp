@@ -2,7 +2,8 @@
 // D = alpha * scale_a * scale_b * op(A) op(B) + beta * C with bf16 or FP8 (e4m3, e5m2) operands,
 // fp32 accumulation, bf16 or fp32 C = D, strided batches. It answers as the library does where the
 // library refuses (mismatched shapes, a leading dimension below the rows, FP8 outside the "TN"
-// layout or as e5m2 x e5m2), and refuses every attribute it does not emulate rather than ignore it.
+// layout or as e5m2 x e5m2, a buffer less aligned than the heuristic was told), and refuses every
+// attribute it does not emulate rather than ignore it.
 #include "emulator/cuda_emulator.h"
 
 #include <cublasLt.h>
@@ -26,6 +27,13 @@ struct Layout {
   int64_t ld;
   int batch = 1;
   int64_t stride = 0;
+};
+
+// The buffer alignments (bytes) a preference promises, A B C D; the library's default is 256 each.
+// The heuristic may answer with an algorithm that needs all of it, so the emulated heuristic
+// passes the promise on in the algorithm and the emulated matmul holds every call to it.
+struct Alignments {
+  uint32_t bytes[4] = {256, 256, 256, 256};
 };
 
 template <typename Handle, typename State>
@@ -97,6 +105,13 @@ float dot(const float* a, const float* b, size_t n) {
   for (; i < n; ++i) sum += a[i] * b[i];
   for (float p : partial) sum += p;
   return sum;
+}
+
+// Every batch's buffer at least `promised` bytes aligned, and its columns 16 (the tensor cores' loads).
+bool aligned(const void* base, const Layout& l, uint32_t promised) {
+  const uint64_t bytes = type_bytes(l.type), address = reinterpret_cast<uintptr_t>(base);
+  const bool batches_aligned = l.batch == 1 || uint64_t(l.stride) * bytes % promised == 0;
+  return address % promised == 0 && batches_aligned && uint64_t(l.ld) * bytes % 16 == 0;
 }
 
 cublasStatus_t check(const Desc& d, const Layout& a, const Layout& b, const Layout& c, const Layout& dl) {
@@ -179,16 +194,25 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t layout, c
   }
 }
 
-cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref) { return create(pref, char{}); }
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref) { return create(pref, Alignments{}); }
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) { return destroy(pref); }
-cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t, cublasLtMatmulPreferenceAttributes_t attr,
-                                                    const void*, size_t) {
-  return attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_SUPPORTED;
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref,
+                                                    cublasLtMatmulPreferenceAttributes_t attr, const void* buf,
+                                                    size_t bytes) {
+  Alignments& promised = state<cublasLtMatmulPreference_t, Alignments>(pref);
+  switch (attr) {
+    case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: return bytes == sizeof(size_t) ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_INVALID_VALUE;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES: return read(promised.bytes[0], buf, bytes);
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES: return read(promised.bytes[1], buf, bytes);
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES: return read(promised.bytes[2], buf, bytes);
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: return read(promised.bytes[3], buf, bytes);
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
 }
 
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                               cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
-                                              cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t, int requested,
+                                              cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t pref, int requested,
                                               cublasLtMatmulHeuristicResult_t results[], int* found) {
   *found = 0;
   if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
@@ -198,6 +222,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
   if (s != CUBLAS_STATUS_SUCCESS) return s;
   results[0] = cublasLtMatmulHeuristicResult_t{};
   results[0].state = CUBLAS_STATUS_SUCCESS;
+  state<cublasLtMatmulAlgo_t*, Alignments>(&results[0].algo) = state<cublasLtMatmulPreference_t, Alignments>(pref);
   *found = 1;
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -212,6 +237,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
                &c = state<cublasLtMatrixLayout_t, Layout>(c_desc), &dl = state<cublasLtMatrixLayout_t, Layout>(d_desc);
   if (!algo) return CUBLAS_STATUS_INVALID_VALUE;
   if (cublasStatus_t s = check(d, a, b, c, dl); s != CUBLAS_STATUS_SUCCESS) return s;
+  const Alignments& promised = state<const cublasLtMatmulAlgo_t*, const Alignments>(algo);
+  if (!aligned(A, a, promised.bytes[0]) || !aligned(B, b, promised.bytes[1]) || !aligned(C, c, promised.bytes[2]) ||
+      !aligned(D, dl, promised.bytes[3]))
+    return CUBLAS_STATUS_INVALID_VALUE;
   const bool ta = d.trans_a == CUBLAS_OP_T, tb = d.trans_b == CUBLAS_OP_T;
   const size_t m = dl.rows, n = dl.cols, k = ta ? a.rows : a.cols;
   const float scale = *static_cast<const float*>(alpha) * (d.a_scale ? *d.a_scale : 1.0f) *

@@ -73,7 +73,43 @@ void check_linear_layer(int tokens, int in, int out, int check_rows, uint64_t se
   CHECK(all_finite(y_gpu) && all_finite(dx_gpu) && all_finite(dw_gpu) && all_finite(y_plus_gpu));  // all written
 }
 
+// C = A B^T for `batches` products whose operands start 16 bytes into their buffers and lie 16 bytes
+// more than a whole matrix apart: slices cuBLASLt's default alignment (256 bytes) does not cover.
+void check_sliced_matmul(int batches, uint64_t seed) {
+  constexpr int M = 64, N = 48, K = 96;
+  constexpr int64_t bf16_pad = 8, fp32_pad = 4;  // 16 bytes each
+  const int64_t stride_a = int64_t(M) * K + bf16_pad, stride_b = int64_t(N) * K + bf16_pad,
+                stride_c = int64_t(M) * N + fp32_pad;
+  std::printf("  %d product(s) %d x %d x %d, operands 16-byte aligned\n", batches, M, N, K);
+  std::vector<double> a = rounded_to_bf16(random_normal(bf16_pad + batches * stride_a, seed));
+  std::vector<double> b = rounded_to_bf16(random_normal(bf16_pad + batches * stride_b, seed + 1));
+  DeviceBuffer<bf16> d_a(to_bf16(a)), d_b(to_bf16(b));
+  DeviceBuffer<float> d_c(fp32_pad + batches * stride_c);
+  d_c.poison();
+  MatmulOptions sliced;
+  sliced.batch = MatmulBatch{batches, stride_a, stride_b, stride_c};
+  Matmul matmul;
+  matmul(d_a.get() + bf16_pad, Transpose::N, d_b.get() + bf16_pad, Transpose::T, d_c.get() + fp32_pad, M, N, K,
+         CUDA_R_32F, sliced, 0);
+  std::vector<float> c = d_c.download();
+  for (int i = 0; i < batches; ++i) {
+    std::vector<double> a_i(a.begin() + bf16_pad + i * stride_a, a.begin() + bf16_pad + i * stride_a + M * K);
+    std::vector<double> b_i(b.begin() + bf16_pad + i * stride_b, b.begin() + bf16_pad + i * stride_b + N * K);
+    std::vector<double> c_ref(size_t(M) * N);
+    ref::matmul_nt(a_i.data(), b_i.data(), c_ref.data(), M, K, N);
+    std::vector<double> c_i(c.begin() + fp32_pad + i * stride_c, c.begin() + fp32_pad + i * stride_c + M * N);
+    CHECK_REL_ERROR(c_i, c_ref, kFp32FromBf16Bound);
+    CHECK(all_finite(c_i));  // all written
+  }
+  CHECK(std::isnan(c[0]));  // nothing written before the slice
+}
+
 }  // namespace
+
+TEST_CASE("matmul on slices aligned to 16 bytes, not 256: one product and a strided batch") {
+  check_sliced_matmul(1, 11);
+  check_sliced_matmul(3, 12);
+}
 
 TEST_CASE("matmul: forward (plain and onto a residual), input and weight gradients of a linear layer") {
   check_linear_layer(256, 768, 3072, 256, 1);
