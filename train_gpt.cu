@@ -28,7 +28,6 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -82,7 +81,7 @@ struct Hyperparameters {
   bool bf16_head = false;           // train with a bf16 lm_head instead of the FP8 one of SPEC 1.5
   std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
-  int stall_timeout = 600;          // seconds without progress after which a rank aborts (0: never)
+  int stall_timeout = 600;          // seconds without progress after which a rank exits (0: never)
   bool nccl_single_rank = false;    // one rank through NCCL anyway (to measure what NCCL costs)
 };
 
@@ -150,7 +149,7 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "write that step's GPU schedule to <log-dir>/timeline_rank<r>_step<N>.json (0: none)",
        non_negative(&h.timeline_step), "non-negative"},
       {"stall-timeout", &h.stall_timeout,
-       "seconds without progress (a hung collective) after which a rank aborts and exits 75 (0: never)",
+       "seconds without progress (a hung collective) after which a rank exits 75 (0: never)",
        non_negative(&h.stall_timeout), "non-negative"},
       {"nccl-single-rank", &h.nccl_single_rank, "with one rank, communicate through NCCL anyway (measures its cost)",
        nullptr, ""},
@@ -1708,38 +1707,21 @@ inline std::string rank_checkpoint_dir(const Hyperparameters& h, const DeviceCom
 }
 
 // The watchdog of a run (null with --stall-timeout 0): a rank stuck in one phase for the timeout
-// (a peer died or diverged, so a collective never ends) aborts its communicator and exits, and the
-// launcher stops the others. It runs from before the rendezvous, which it also covers.
-inline std::unique_ptr<ProgressWatchdog> start_watchdog(const Hyperparameters& h, int rank,
-                                                        const std::atomic<DeviceCommunicator*>& comm) {
+// (a peer died or diverged, so a collective never ends) exits, and the launcher stops the others.
+// It runs from before the rendezvous, which it also covers, to after the communicator's teardown.
+inline std::unique_ptr<ProgressWatchdog> start_watchdog(const Hyperparameters& h, int rank) {
   if (h.stall_timeout == 0) return nullptr;
-  auto watchdog = std::make_unique<ProgressWatchdog>(std::chrono::seconds(h.stall_timeout), [rank, &comm](const std::string& m) {
-    abort_stalled_rank(rank, m, [&comm] {
-      if (DeviceCommunicator* c = comm.load()) c->abort();
-    });
-  });
+  auto watchdog = std::make_unique<ProgressWatchdog>(std::chrono::seconds(h.stall_timeout),
+                                                     [rank](const std::string& m) { end_stalled_rank(rank, m); });
   watchdog->beat("connecting the ranks (rendezvous, NCCL init)");
   return watchdog;
 }
-
-// Shows the watchdog a communicator for as long as this lives: declared after it, so it is cleared
-// before the communicator goes, however the owner's construction or destruction ends.
-class WatchedCommunicator {
- public:
-  WatchedCommunicator(std::atomic<DeviceCommunicator*>& slot, DeviceCommunicator* comm) : slot_(slot) { slot_ = comm; }
-  ~WatchedCommunicator() { slot_ = nullptr; }
-  WatchedCommunicator(const WatchedCommunicator&) = delete;
-  WatchedCommunicator& operator=(const WatchedCommunicator&) = delete;
-
- private:
-  std::atomic<DeviceCommunicator*>& slot_;
-};
 
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
   TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g)
-      : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank, live_comm_)), comm_(connect_ranks(g, h.nccl_single_rank)),
+      : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
         model_(config_, memory_),
         optimizers_(h, model_.params, *comm_, memory_),
         train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head),
@@ -1929,10 +1911,8 @@ class TrainingRun {
   const Hyperparameters& h_;
   const Schedule schedule_;
   const GPTConfig config_;
-  std::atomic<DeviceCommunicator*> live_comm_{nullptr};  // what the watchdog aborts, while comm_ lives
-  std::unique_ptr<ProgressWatchdog> watchdog_;            // before comm_: covers the rendezvous and its teardown
+  std::unique_ptr<ProgressWatchdog> watchdog_;  // before comm_: covers the rendezvous and its teardown
   std::unique_ptr<DeviceCommunicator> comm_;
-  WatchedCommunicator watched_comm_{live_comm_, comm_.get()};
   DeviceMemory memory_;
   GPT model_;
   Optimizers optimizers_;
@@ -1949,8 +1929,7 @@ class TrainingRun {
 int run_training(const Hyperparameters& h) {
   check_data(h);
   const ProcessGroupEnv g = process_group_from_env();
-  select_gpu(g.local_rank);
-  require_hopper_gpu(g.local_rank);
+  require_hopper_gpu(select_gpu(g.local_rank));
   return TrainingRun(h, g).run();
 }
 

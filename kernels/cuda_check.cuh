@@ -36,17 +36,21 @@
       cuda_fail(ncclGetErrorString(nccl_check_result_), #call, __FILE__, __LINE__);  \
   } while (0)
 
-// Makes GPU `device` (a process's local rank) current, with an error that says what is missing.
-inline void select_gpu(int device) {
+// Makes this process's GPU current and returns it: GPU `local_rank`, or the only GPU the process
+// sees where the launcher gives each process one (Slurm's --gpus-per-task=1, a per-rank
+// CUDA_VISIBLE_DEVICES).
+inline int select_gpu(int local_rank) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0)
     throw std::runtime_error(std::string("no CUDA GPU is usable here (") +
                              (err != cudaSuccess ? cudaGetErrorString(err) : "none found") + ")");
+  const int device = count == 1 ? 0 : local_rank;
   if (device < 0 || device >= count)
-    throw std::runtime_error("local rank " + std::to_string(device) + " needs GPU " + std::to_string(device) +
-                             ", but this machine shows " + std::to_string(count) + " GPU(s) (LOCAL_RANK too high?)");
+    throw std::runtime_error("local rank " + std::to_string(local_rank) + " needs GPU " + std::to_string(device) +
+                             ", but this process sees " + std::to_string(count) + " GPUs (LOCAL_RANK too high?)");
   CUDA_CHECK(cudaSetDevice(device));
+  return device;
 }
 
 // The trainer's kernels are built for Hopper (sm_90a); any other GPU is refused at start.

@@ -12,6 +12,7 @@
 
 #include <nccl.h>
 
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -32,9 +33,6 @@ class DeviceCommunicator {
   virtual void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) = 0;
   // A host scalar summed over the ranks (validation losses and token counts); synchronous.
   virtual double all_reduce_sum(double value) = 0;
-  // Called from another thread when this rank is stuck (ProgressWatchdog): ends the collectives in
-  // flight, so the process can exit. Nothing to do where no collective can hang.
-  virtual void abort() {}
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -47,8 +45,13 @@ class NcclCommunicator : public DeviceCommunicator {
     CUDA_CHECK(cudaMalloc(&scalar_, sizeof(double)));
     CUDA_CHECK(cudaStreamCreateWithFlags(&scalar_stream_, cudaStreamNonBlocking));
   }
+  // Leaving on an exception, the queued collectives may wait for peers that will never join them:
+  // ncclCommDestroy would wait with them, ncclCommAbort does not.
   ~NcclCommunicator() override {
-    ncclCommDestroy(comm_);
+    if (std::uncaught_exceptions() > 0)
+      ncclCommAbort(comm_);
+    else
+      ncclCommDestroy(comm_);
     cudaFree(scalar_);
     cudaStreamDestroy(scalar_stream_);
   }
@@ -72,7 +75,6 @@ class NcclCommunicator : public DeviceCommunicator {
     }
     NCCL_CHECK(ncclGroupEnd());
   }
-  void abort() override { NCCL_CHECK(ncclCommAbort(comm_)); }
   // On a stream of its own: callers hold it to moments when no other collective of the communicator
   // is in flight (the trainer's are after a step's or validation's sync), since collectives of one
   // communicator on two streams at once may wait on each other across ranks and hang.

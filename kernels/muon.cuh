@@ -77,7 +77,8 @@ __global__ void muon_momentum_kernel(const float* g, float* buf, bf16* x, int ro
 }
 
 // norms[i] = ||x[i n .. (i + 1) n)||_F, block i per matrix: a fixed reduction order, deterministic.
-__global__ void frobenius_norms_kernel(const bf16* x, size_t n, float* norms) {
+constexpr int kFrobeniusThreads = 1024;
+__global__ void __launch_bounds__(kFrobeniusThreads) frobenius_norms_kernel(const bf16* x, size_t n, float* norms) {
   const bf16* matrix = x + blockIdx.x * n;
   float ss = 0;
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -107,7 +108,7 @@ __global__ void muon_apply_kernel(float* p, const bf16* x, int rows, int cols, b
 // X = a X + B X, in bf16, each product one strided-batched cuBLASLt call over the batch.
 inline void newton_schulz5(MuonWorkspace& ws, int batch, int r, int k, Matmul& matmul, cudaStream_t stream) {
   const size_t n = size_t(r) * k, rr = size_t(r) * r;
-  frobenius_norms_kernel<<<batch, 1024, 0, stream>>>(ws.x_, n, ws.norms_);
+  frobenius_norms_kernel<<<batch, kFrobeniusThreads, 0, stream>>>(ws.x_, n, ws.norms_);
   CUDA_CHECK_LAUNCH();
   scale_by_inverse_norms_kernel<<<elementwise_grid(batch * n), 256, 0, stream>>>(ws.x_, n, batch * n, ws.norms_);
   CUDA_CHECK_LAUNCH();

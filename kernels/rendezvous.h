@@ -1,6 +1,7 @@
 // Where a process sits in the job, from the environment of the standard launchers (torchrun,
-// mpirun, srun), and the exchange of NCCL's unique id: rank 0 listens at MASTER_ADDR:MASTER_PORT,
-// every other rank connects and receives the id's bytes. Every wait has a deadline, and a failure
+// mpirun, srun), and the exchange of NCCL's unique id: rank 0 listens at MASTER_ADDR:MASTER_PORT
+// (one port above under torchrun, whose own store holds MASTER_PORT), every other rank connects
+// and receives the id's bytes. Every wait has a deadline, and a failure
 // names the rank(s) and the address, so a job never hangs on a rank that failed to start. Rank 0
 // reads all hellos at once, each with its own deadline, so a connection that never speaks holds no
 // one up; and whatever ends its rendezvous (a missing, duplicate or misconfigured rank) it tells
@@ -31,7 +32,7 @@
 struct ProcessGroupEnv {
   int rank = 0, world_size = 1, local_rank = 0, local_world_size = 1;
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
+  int id_port = 29500;  // where rank 0 serves NCCL's id
   std::string launcher = "none";  // which environment was recognised (logged)
 };
 
@@ -59,7 +60,9 @@ struct LauncherNames {
 
 // torchrun's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, else Open MPI's OMPI_COMM_WORLD_*, else
 // Slurm's SLURM_PROCID/NTASKS/LOCALID/NTASKS_PER_NODE, else a single process. MASTER_ADDR and
-// MASTER_PORT are required for more than one rank. Throws std::invalid_argument naming the variable.
+// MASTER_PORT are required for more than one rank. torchrun (TORCHELASTIC_RUN_ID set) runs its own
+// store at MASTER_PORT, which every worker is pointed to, so there the id goes one port above.
+// Throws std::invalid_argument naming the variable.
 inline ProcessGroupEnv process_group_from_env(const EnvLookup& env = [](const char* n) { return std::getenv(n); }) {
   using namespace rendezvous_detail;
   const LauncherNames launchers[] = {
@@ -83,7 +86,8 @@ inline ProcessGroupEnv process_group_from_env(const EnvLookup& env = [](const ch
       throw std::invalid_argument("environment: MASTER_ADDR is not set (" + g.launcher + " with " +
                                   std::to_string(g.world_size) + " ranks needs rank 0's address)");
     g.master_addr = addr;
-    g.master_port = env_int(env, "MASTER_PORT", 1, 65535);
+    const bool torchrun_store_holds_port = env("TORCHELASTIC_RUN_ID") != nullptr;
+    g.id_port = env_int(env, "MASTER_PORT", 1, torchrun_store_holds_port ? 65534 : 65535) + torchrun_store_holds_port;
   }
   return g;
 }
@@ -161,7 +165,7 @@ inline bool transfer(int fd, void* data, size_t n, bool sending, Clock::time_poi
   return true;
 }
 
-inline std::string where(const ProcessGroupEnv& g) { return g.master_addr + ":" + std::to_string(g.master_port); }
+inline std::string where(const ProcessGroupEnv& g) { return g.master_addr + ":" + std::to_string(g.id_port); }
 
 inline std::string seconds(std::chrono::milliseconds t) { return std::to_string(t.count() / 1000.0).substr(0, 4) + " s"; }
 
@@ -179,7 +183,7 @@ inline Socket listen_on(int port) {
   addr.sin_addr.s_addr = htonl(INADDR_ANY);
   addr.sin_port = htons(uint16_t(port));
   if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
-    throw std::runtime_error(cannot + "bind: " + std::strerror(errno) + " (is MASTER_PORT in use?)");
+    throw std::runtime_error(cannot + "bind: " + std::strerror(errno) + " (is the port in use?)");
   if (::listen(s.fd(), 128) != 0) throw_errno(cannot + "listen");
   return s;
 }
@@ -334,7 +338,7 @@ inline std::string missing_ranks(const ProcessGroupEnv& g, const Connections& c,
   for (int r = 1; r < g.world_size; ++r)
     if (c.ranks[r].socket.fd() < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
   for (const std::string& a : c.dropped) dropped += (dropped.empty() ? "" : ", ") + a;
-  return "rank 0 waited " + seconds(timeout) + " on port " + std::to_string(g.master_port) + "; rank(s) " + missing +
+  return "rank 0 waited " + seconds(timeout) + " on port " + std::to_string(g.id_port) + "; rank(s) " + missing +
          " never connected" +
          (dropped.empty() ? "" : "; it dropped connection(s) that sent no hello within " + seconds(kHelloTimeout) + ": " + dropped);
 }
@@ -349,7 +353,7 @@ inline void gather_hellos(const ProcessGroupEnv& g, int server, Connections& c, 
     wait_any(fds, c, deadline);
     check_known_ranks(c, fds);
     read_pending(g, c, fds);
-    if (fds[0].revents) accept_waiting(server, g.master_port, c);
+    if (fds[0].revents) accept_waiting(server, g.id_port, c);
     drop_silent(c);
     c.pending.erase(std::remove_if(c.pending.begin(), c.pending.end(), [](const Peer& p) { return p.socket.fd() < 0; }),
                     c.pending.end());
@@ -371,7 +375,7 @@ inline void send_id(Connections& c, UniqueIdBytes id, Clock::time_point deadline
 // rank 0 throws it, so no rank waits for its own deadline to learn that the rendezvous is over.
 inline void serve_id(const ProcessGroupEnv& g, const UniqueIdBytes& id, Clock::time_point deadline,
                      std::chrono::milliseconds timeout) {
-  Socket server = listen_on(g.master_port);
+  Socket server = listen_on(g.id_port);
   Connections c;
   c.ranks.resize(size_t(g.world_size));
   try {
@@ -379,7 +383,7 @@ inline void serve_id(const ProcessGroupEnv& g, const UniqueIdBytes& id, Clock::t
     send_id(c, id, deadline + kAnswerGrace);
   } catch (const std::exception& e) {
     try {
-      accept_waiting(server.fd(), g.master_port, c);
+      accept_waiting(server.fd(), g.id_port, c);
     } catch (const std::exception&) {
       // The failure to report is e; the peers still queued then learn of it from the closed port.
     }
@@ -396,7 +400,7 @@ inline Socket connect_to_master(const ProcessGroupEnv& g, Clock::time_point dead
   addrinfo hints{}, *found = nullptr;
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
-  const int resolved = ::getaddrinfo(g.master_addr.c_str(), std::to_string(g.master_port).c_str(), &hints, &found);
+  const int resolved = ::getaddrinfo(g.master_addr.c_str(), std::to_string(g.id_port).c_str(), &hints, &found);
   if (resolved != 0 || !found)
     throw std::runtime_error(me + " cannot resolve MASTER_ADDR " + g.master_addr + ": " + ::gai_strerror(resolved));
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> address(found, ::freeaddrinfo);

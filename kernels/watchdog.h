@@ -1,7 +1,7 @@
 // A progress watchdog for distributed runs. A rank whose peer died or diverged waits inside an NCCL
 // collective forever: no error, no exit, and a launcher that stops all ranks when one exits never
 // learns of it. The trainer beats at every phase; when no beat comes for the timeout, the
-// watchdog's thread reports the phase it stalled in, and abort_stalled_rank ends the process with
+// watchdog's thread reports the phase it stalled in, and end_stalled_rank ends the process with
 // a distinct status, so the launcher (run.sh, torchrun, srun) stops the others.
 #pragma once
 #include <chrono>
@@ -19,7 +19,7 @@
 #include <thread>
 #include <utility>
 
-// The exit status of a rank ended by abort_stalled_rank: distinct from the trainer's 1 (error) and
+// The exit status of a rank ended by end_stalled_rank: distinct from the trainer's 1 (error) and
 // 2 (bad flags), and outside 124-143, which shells and `timeout` give to timed-out or killed commands.
 constexpr int kStalledRankExitCode = 75;
 
@@ -96,40 +96,35 @@ class ProgressWatchdog {
   std::thread thread_;  // last: it starts after every member it reads
 };
 
-namespace watchdog_detail {
-
-// Flushes the process's output (the console's last lines, the run log), then aborts the
-// communicator; the caller waits for `done` only until its deadline, since either could hang.
-inline void flush_and_abort(int rank, const std::function<void()>& abort_communicator, std::promise<void>& done) {
-  if (std::fflush(nullptr) != 0) std::perror(("error: rank " + std::to_string(rank) + ": flushing output").c_str());
-  try {
-    abort_communicator();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: rank %d: aborting the communicator failed: %s\n", rank, e.what());
-  }
-  done.set_value();
+// What a stalled rank writes last: every buffered line of the process (the console's, the run
+// log's), so the step the rank reached is not lost with it.
+inline void flush_all_output() {
+  if (std::fflush(nullptr) != 0) std::perror("error: flushing output");
 }
 
-}  // namespace watchdog_detail
-
-// The trainer's on_stall: says which rank stalled and where on stderr, aborts the communicator
-// (ncclCommAbort, so NCCL frees its resources and closes its connections) on a detached thread for
-// at most `abort_deadline`, then ends the process with kStalledRankExitCode. std::_Exit, not exit:
-// the main thread is still inside a collective, and static destructors would wait on it or on CUDA.
-[[noreturn]] inline void abort_stalled_rank(int rank, const std::string& message, std::function<void()> abort_communicator,
-                                            std::chrono::milliseconds abort_deadline = std::chrono::seconds(10)) {
-  std::fprintf(stderr, "error: rank %d: %s; aborting\n", rank, message.c_str());
+// The trainer's on_stall: says which rank stalled and where on stderr, flushes the output on a
+// detached thread for at most `flush_deadline` (a pipe nobody reads could hold it), then ends the
+// process with kStalledRankExitCode. It does not abort the communicator: ncclCommAbort makes the
+// stuck collective return, and the main thread would go on with buffers no peer reduced (and could
+// checkpoint them); the process's end stops its GPU work and closes NCCL's connections anyway.
+// std::_Exit, not exit: the main thread is still inside a collective, and static destructors would
+// wait on it or on CUDA.
+[[noreturn]] inline void end_stalled_rank(int rank, const std::string& message,
+                                          std::function<void()> finish_output = flush_all_output,
+                                          std::chrono::milliseconds flush_deadline = std::chrono::seconds(10)) {
+  std::fprintf(stderr, "error: rank %d: %s; exiting\n", rank, message.c_str());
   auto done = std::make_shared<std::promise<void>>();
   std::future<void> finished = done->get_future();
   try {
-    std::thread([rank, done, abort = std::move(abort_communicator)] {
-      watchdog_detail::flush_and_abort(rank, abort, *done);
+    std::thread([done, finish = std::move(finish_output)] {
+      finish();
+      done->set_value();
     }).detach();
-    if (finished.wait_for(abort_deadline) == std::future_status::timeout)
-      std::fprintf(stderr, "error: rank %d: the communicator's abort did not return within %.1f s; exiting without it\n",
-                   rank, abort_deadline.count() / 1000.0);
+    if (finished.wait_for(flush_deadline) == std::future_status::timeout)
+      std::fprintf(stderr, "error: rank %d: flushing the output did not end within %.1f s; exiting without it\n", rank,
+                   flush_deadline.count() / 1000.0);
   } catch (const std::system_error& e) {
-    std::fprintf(stderr, "error: rank %d: cannot start the thread that aborts the communicator: %s\n", rank, e.what());
+    std::fprintf(stderr, "error: rank %d: cannot start the thread that flushes the output: %s\n", rank, e.what());
   }
   std::_Exit(kStalledRankExitCode);
 }

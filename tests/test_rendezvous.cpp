@@ -62,7 +62,7 @@ std::string run_rank(const Process& p, int world_size, int port, const UniqueIdB
     ProcessGroupEnv g;
     g.rank = p.rank;
     g.world_size = p.world_size ? p.world_size : world_size;
-    g.master_port = port;
+    g.id_port = port;
     UniqueIdBytes id{};
     if (p.rank == 0) id = expected;
     broadcast_id_over_tcp(g, id, timeout);
@@ -163,7 +163,7 @@ TEST_CASE("ranks from torchrun, mpirun and srun environments; a single process w
   ProcessGroupEnv t = parse({{"RANK", "5"}, {"WORLD_SIZE", "16"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
                              {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29511"}});
   CHECK(t.launcher == "torchrun" && t.rank == 5 && t.world_size == 16 && t.local_rank == 1 && t.local_world_size == 4);
-  CHECK(t.master_addr == "node7" && t.master_port == 29511);
+  CHECK(t.master_addr == "node7" && t.id_port == 29511);
   ProcessGroupEnv m = parse({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "8"},
                              {"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "8"},
                              {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}});
@@ -171,6 +171,10 @@ TEST_CASE("ranks from torchrun, mpirun and srun environments; a single process w
   ProcessGroupEnv s = parse({{"SLURM_PROCID", "9"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "1"},
                              {"SLURM_NTASKS_PER_NODE", "8(x2)"}, {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "4000"}});
   CHECK(s.launcher == "srun" && s.rank == 9 && s.local_rank == 1 && s.local_world_size == 8);
+  // Under torchrun its own store listens at MASTER_PORT: the id goes one port above.
+  ProcessGroupEnv elastic = parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29500"},
+                                   {"TORCHELASTIC_RUN_ID", "none"}});
+  CHECK(elastic.launcher == "torchrun" && elastic.id_port == 29501);
   ProcessGroupEnv one = parse({{"RANK", "0"}, {"WORLD_SIZE", "1"}});  // one rank needs no master
   CHECK(one.world_size == 1 && one.launcher == "torchrun");
 }
@@ -185,6 +189,9 @@ TEST_CASE("bad launcher environments are errors that name the variable and the v
   CHECK_THROWS_WITH(parse({{"RANK", "1"}, {"WORLD_SIZE", "4"}}), "MASTER_ADDR is not set", "torchrun with 4 ranks");
   CHECK_THROWS_WITH(parse({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}),
                     "MASTER_PORT='70000' is not an integer in [1, 65535]");
+  CHECK_THROWS_WITH(parse({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "65535"},
+                           {"TORCHELASTIC_RUN_ID", "job"}}),
+                    "MASTER_PORT='65535' is not an integer in [1, 65534]");
 }
 
 TEST_CASE("local processes exchange rank 0's id over TCP, rank 0 starting first or last") {
