@@ -74,13 +74,24 @@ __device__ inline void load_values_async(T* to, const T* from, int first_thread)
   if (i >= 0 && i < kTile / 4) ptx::cp_async_16(to + 4 * i, from + 4 * i);
 }
 
+// Starts the copies of the K tile and the document ids of the kv block at token k0 of head h.
+__device__ inline void load_k_tile(bf16* k_tile, int32_t* kv_docs, const bf16* k, const AttentionTensors& a,
+                                   const int32_t* docs, int h, int k0) {
+  load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
+  load_values_async(kv_docs, docs + k0, 0);
+}
+
+// Starts the copies of the V tile of the kv block at token k0 of head h.
+__device__ inline void load_v_tile(bf16* v_tile, const bf16* v, const AttentionTensors& a, int h, int k0) {
+  load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
+}
+
 // Starts the copies of the K and V tiles (V right after K) and the document ids of the kv block
 // at token k0 of head h, as one group.
 __device__ inline void load_kv_tiles(bf16* k_tile, int32_t* kv_docs, const bf16* k, const bf16* v,
                                      const AttentionTensors& a, const int32_t* docs, int h, int k0) {
-  load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
-  load_tile_async(k_tile + kTileElements, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
-  load_values_async(kv_docs, docs + k0, 0);
+  load_k_tile(k_tile, kv_docs, k, a, docs, h, k0);
+  load_v_tile(k_tile + kTileElements, v, a, h, k0);
   ptx::cp_async_commit();
 }
 
@@ -273,12 +284,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
   auto k0_of = [&](int j) { return m.kv_index[qb * m.max_kv + j] * kTile; };  // the j-th listed kv block
   auto k_tile = [&](int j) { return tiles + (1 + j % 2) * kTileElements; };
   auto v_tile = [&](int j) { return tiles + (3 + j % 2) * kTileElements; };
-  auto load_k = [&](int j) {  // with the block's document ids
-    const int k0 = k0_of(j);
-    load_tile_async(k_tile(j), k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
-    load_values_async(k_docs[j % 2], m.docs + k0, 0);
-  };
-  auto load_v = [&](int j) { load_tile_async(v_tile(j), v + k0_of(j) * a.v_stride + h * kAttentionHeadDim, a.v_stride); };
+  auto load_k = [&](int j) { load_k_tile(k_tile(j), k_docs[j % 2], k, a, m.docs, h, k0_of(j)); };
+  auto load_v = [&](int j) { load_v_tile(v_tile(j), v, a, h, k0_of(j)); };
 
   constexpr int N = kTile / 8;
   static_assert(N == kAttentionHeadDim / 8, "scores and output tiles share their fragment loops");

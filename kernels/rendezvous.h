@@ -86,8 +86,8 @@ inline ProcessGroupEnv process_group_from_env(const EnvLookup& env = [](const ch
       throw std::invalid_argument("environment: MASTER_ADDR is not set (" + g.launcher + " with " +
                                   std::to_string(g.world_size) + " ranks needs rank 0's address)");
     g.master_addr = addr;
-    const bool torchrun_store_holds_port = env("TORCHELASTIC_RUN_ID") != nullptr;
-    g.id_port = env_int(env, "MASTER_PORT", 1, torchrun_store_holds_port ? 65534 : 65535) + torchrun_store_holds_port;
+    const int above_torchrun_store = env("TORCHELASTIC_RUN_ID") ? 1 : 0;
+    g.id_port = env_int(env, "MASTER_PORT", 1, 65535 - above_torchrun_store) + above_torchrun_store;
   }
   return g;
 }
