@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 """tools/records.py: the log parser on both log formats, the t statistics against known values,
-the refusals, the comparison and its PNG, the freeze round trip and the generated tables."""
+the refusals (duplicate runs among them), the comparison table, the freeze round trip and the
+generated tables; the plots are test_records_plots.py's, as they need matplotlib."""
 import contextlib
 import io
 import math
 import os
 import shutil
 import statistics
-import struct
 import sys
 import tempfile
 import unittest
-import zlib
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -20,7 +20,8 @@ import records  # noqa: E402
 
 REFERENCE = os.path.join(HERE, "data", "reference_record")
 SHARED_REFERENCE = os.path.join(REPO, "..", "shared", "reference")
-LOG_8054 = os.path.join(REFERENCE, "record24_8054c239_steps.txt")
+REFERENCE_LOGS = ("record24_8054c239_steps.txt", "record24_f528789a_steps.txt", "record25_692f80e0_steps.txt")
+LOG_8054 = os.path.join(REFERENCE, REFERENCE_LOGS[0])
 RULE = "=" * 100
 
 # A log in our trainer's layout whose source text holds step-like decoys, one a whole step line.
@@ -135,17 +136,37 @@ class Statistics(unittest.TestCase):
         loss = records.summarize([r.final()[0] for r in runs])
         self.assertAlmostEqual(loss.mean, 3.2787, places=12)
         self.assertAlmostEqual(loss.std, math.sqrt(39e-8), places=12)
-        t = (3.2787 - 3.28) / (math.sqrt(39e-8) / math.sqrt(3))
-        p = records.one_sample_less_p(loss, 3.28)
+        t, df, p = records.one_sample_less(loss, 3.28)
+        self.assertAlmostEqual(t, -math.sqrt(13), places=9)
+        self.assertEqual(df, 2)
         self.assertAlmostEqual(p, 0.5 + t / (2 * math.sqrt(2 + t * t)), places=9)
         self.assertAlmostEqual(p, (1 - math.sqrt(13 / 15)) / 2, places=12)
         self.assertAlmostEqual(statistics.fmean([r.final()[1] for r in runs]), (177930 + 178064 + 173789) / 3)
 
     def test_one_sample_degenerate_cases(self):
-        self.assertTrue(math.isnan(records.one_sample_less_p(records.summarize([3.27]), 3.28)))
-        self.assertEqual(records.one_sample_less_p(records.summarize([3.27, 3.27]), 3.28), 0.0)
-        self.assertEqual(records.one_sample_less_p(records.summarize([3.29, 3.29]), 3.28), 1.0)
-        self.assertGreater(records.one_sample_less_p(records.summarize([3.29, 3.30, 3.31]), 3.28), 0.95)
+        self.assertTrue(all(map(math.isnan, records.one_sample_less(records.summarize([3.27]), 3.28))))
+        self.assertEqual(records.one_sample_less(records.summarize([3.27, 3.27]), 3.28), (-math.inf, 1, 0.0))
+        self.assertEqual(records.one_sample_less(records.summarize([3.29, 3.29]), 3.28), (math.inf, 1, 1.0))
+        self.assertEqual(records.one_sample_less(records.summarize([3.28, 3.28]), 3.28)[2], 1.0)
+        self.assertGreater(records.one_sample_less(records.summarize([3.29, 3.30, 3.31]), 3.28)[2], 0.95)
+
+    def test_t_quantile(self):
+        # The t-table's critical values again, now as quantiles (the table gives 3 decimals).
+        for probability, df, t in ((0.99, 10, 2.764), (0.95, 10, 1.812), (0.99, 20, 2.528), (0.975, 20, 2.086),
+                                   (0.99, 5, 3.365), (0.99, 2, 6.965), (0.01, 2, -6.965), (0.99, 1, 31.821)):
+            self.assertAlmostEqual(records.t_quantile(probability, df), t, delta=5e-4, msg=f"{probability} df={df}")
+        for probability in (1e-6, 0.2, 0.5, 0.9, 0.999999):
+            self.assertAlmostEqual(records.t_cdf(records.t_quantile(probability, 3.5), 3.5), probability, places=12)
+
+    def test_upper_confidence_bound_agrees_with_the_test(self):
+        # The mean is below the target at p < 0.01 exactly when its 99% upper bound is: p = 0.01 at the bound.
+        for losses in ((3.2782, 3.2785, 3.2794), (3.270, 3.272, 3.271, 3.275), (3.27, 3.29)):
+            loss = records.summarize(losses)
+            bound = records.upper_confidence_bound(loss)
+            self.assertAlmostEqual(records.one_sample_less(loss, bound)[2], records.SIGNIFICANCE, places=12)
+        self.assertAlmostEqual(records.upper_confidence_bound(records.summarize([3.2782, 3.2785, 3.2794])),
+                               3.2787 + 6.964557 * math.sqrt(39e-8 / 3), places=6)
+        self.assertTrue(math.isnan(records.upper_confidence_bound(records.summarize([3.27]))))
 
     def test_welch(self):
         # Equal n and variance: df = 2 (n - 1) = 2; t = 3 / sqrt(2); two-sided p = 1 - t / sqrt(2 + t^2)
@@ -168,14 +189,17 @@ class Commands(TempDir):
         rc, out, _ = self.command("stats", REFERENCE, "--target", "3.28")
         self.assertEqual(rc, 0)
         self.assertIn("| record25_692f80e0_steps.txt | 3.2794 | 173.789 |", out)
-        self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | 0.0345 | no | 176.594 | 2.430 |", out)
+        # t = -0.0013 / (std / sqrt 3) = -sqrt(13) and df = 2, printed beside p.
+        self.assertIn("| runs | steps | val loss mean | val loss std | t (mean < 3.28) | df | p | p < 0.01 |", out)
+        self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | -3.606 | 2 | 0.0345 | no | 176.594 | 2.430 |", out)
 
     def test_stats_against(self):
         a = [self.write(f"a{i}.txt", step_log(10, loss, 900)) for i, loss in enumerate((3.0, 3.2))]
         b = [self.write(f"b{i}.txt", step_log(10, loss, 900 + 100 * i)) for i, loss in enumerate((3.3, 3.5))]
         rc, out, _ = self.command("stats", *a, "--against", *b, "--target", "3.4")
         self.assertEqual(rc, 0)
-        self.assertIn("| A | 2 | 10 | 3.10000 | 0.14142 | 0.1024 | no | 0.900 | 0.000 |", out)
+        # t = (3.1 - 3.4) / (0.14142 / sqrt 2) = -3, df = 1.
+        self.assertIn("| A | 2 | 10 | 3.10000 | 0.14142 | -3.000 | 1 | 0.1024 | no | 0.900 | 0.000 |", out)
         self.assertIn("| val loss | 0.30000 | 2.121 | 2.00 | 0.1679 |", out)  # the df = 2 case above
         # A's times do not vary: t = 0.05 / sqrt(0.005 / 2) = 1, df = 1, Cauchy: p = 2 (1/2 - atan(1)/pi) = 0.5.
         self.assertIn("| train time (s) | 0.050 | 1.000 | 1.00 | 0.5000 |", out)
@@ -197,46 +221,88 @@ class Commands(TempDir):
         self.assertEqual(rc, 1)
         self.assertIn("nan.txt: final val_loss is nan", err)
 
-    def test_compare_prints_aligned_steps_and_writes_a_png(self):
-        ours, png = self.write("ours.txt", OUR_LOG), os.path.join(self.dir, "cmp.png")
-        rc, out, _ = self.command("compare", ours, LOG_8054, "--png", png)
+    def test_compare_prints_aligned_steps(self):
+        ours = self.write("ours.txt", OUR_LOG)
+        rc, out, _ = self.command("compare", ours, LOG_8054)
         self.assertEqual(rc, 0)
+        self.assertIn(f"{ours} against the record {LOG_8054}:", out)
         self.assertIn("note: ours runs 10 steps, the record 1770", out)
         self.assertIn("| 0 | 10.8258 | 10.8258 | +0.0000 | 0 | 0 | +0 |", out)
         self.assertNotIn("| 5 |", out)  # no validation at step 5 in the record
-        self.assertIn("blue: ours", out)
-        pixels = read_png(self, png)
-        self.assertIn(bytes(records.OURS_COLOUR), pixels)
-        self.assertIn(bytes(records.RECORD_COLOUR), pixels)
+
+    def test_compare_takes_several_runs_against_one_record(self):
+        first, second, record = (os.path.join(REFERENCE, n) for n in REFERENCE_LOGS)
+        rc, out, _ = self.command("compare", first, second, record)
+        self.assertEqual(rc, 0)
+        self.assertIn(f"{first} against the record {record}:", out)
+        self.assertIn(f"{second} against the record {record}:", out)
+        self.assertIn("| 1770 | 3.2782 | 3.2794 | -0.0012 | 177930 | 173789 | +4141 |", out)
+        self.assertIn("| 1770 | 3.2785 | 3.2794 | -0.0009 | 178064 | 173789 | +4275 |", out)
 
     def test_compare_refuses_logs_without_common_validation(self):
         path = self.write("late.txt", "step:7/7 val_loss:4.0000 train_time:9ms step_avg:1.29ms\n")
-        rc, _, err = self.command("compare", path, LOG_8054, "--png", os.path.join(self.dir, "x.png"))
+        rc, _, err = self.command("compare", path, LOG_8054)
         self.assertEqual(rc, 1)
         self.assertIn("no validation step in common", err)
 
+    def test_plots_without_matplotlib_name_the_package(self):
+        # No matplotlib: only a plot fails, naming the packages; the tables are unaffected.
+        png = os.path.join(self.dir, "x.png")
+        with mock.patch.dict(sys.modules, dict.fromkeys(
+                ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"))):
+            for argv in (("compare", LOG_8054, LOG_8054, "--png", png), ("stats", REFERENCE, "--png", png)):
+                rc, out, err = self.command(*argv)
+                self.assertEqual((rc, out), (1, ""), argv)
+                self.assertIn("the plots need matplotlib", err)
+                self.assertIn("python3-matplotlib", err)
+                self.assertIn("pip install matplotlib", err)
+            self.assertEqual(self.command("stats", REFERENCE)[0], 0)
+            self.assertEqual(self.command("compare", LOG_8054, LOG_8054)[0], 0)
+        self.assertFalse(os.path.exists(png))
 
-def read_png(test, path):
-    """Checks signature, chunk CRCs, IHDR (8-bit RGB) and filter bytes; returns the raw pixels."""
-    with open(path, "rb") as f:
-        data = f.read()
-    test.assertEqual(data[:8], b"\x89PNG\r\n\x1a\n")
-    chunks, pos = [], 8
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        test.assertEqual(crc, zlib.crc32(kind + body), kind)
-        chunks.append((kind, body))
-        pos += 12 + length
-    test.assertEqual([k for k, _ in chunks], [b"IHDR", b"IDAT", b"IEND"])
-    width, height, depth, colour, _, _, _ = struct.unpack(">IIBBBBB", chunks[0][1])
-    test.assertEqual((depth, colour), (8, 2))
-    raw = zlib.decompress(chunks[1][1])
-    stride = 1 + 3 * width
-    test.assertEqual(len(raw), height * stride)
-    test.assertEqual({raw[y * stride] for y in range(height)}, {0})
-    return b"".join(raw[y * stride + 1:(y + 1) * stride] for y in range(height))
+
+class Duplicates(TempDir):
+    """One run counted twice would pass for two independent runs: p = 0 for one file named twice."""
+
+    def refusal(self, *argv):
+        rc, out, err = self.command("stats", *argv)
+        self.assertEqual((rc, out), (1, ""))
+        return err
+
+    def test_refuses_a_file_named_twice(self):
+        self.assertIn(f"error: {LOG_8054} and {LOG_8054}: the same file, named twice; each run counts once",
+                      self.refusal(LOG_8054, LOG_8054))
+
+    def test_refuses_a_file_named_directly_and_through_its_folder(self):
+        first = os.path.join(REFERENCE, REFERENCE_LOGS[0])
+        self.assertIn(f"{first} and {first}: the same file", self.refusal(REFERENCE, LOG_8054))
+        alias = os.path.join(self.dir, "alias.txt")
+        os.symlink(LOG_8054, alias)
+        self.assertIn(f"{LOG_8054} and {alias}: the same file", self.refusal(LOG_8054, alias))
+
+    def test_refuses_two_copies_of_one_run(self):
+        copy = os.path.join(self.dir, "copy.txt")
+        shutil.copy(LOG_8054, copy)
+        self.assertIn(f"{LOG_8054} and {copy}: the same run (identical step lines); each run counts once",
+                      self.refusal(LOG_8054, copy))
+
+    def test_refuses_a_full_log_beside_its_step_lines(self):
+        # The reference's _steps.txt files are extracts of full logs: the same run by its measurements.
+        full = self.write("run.txt", OUR_LOG)
+        step_lines = [line for line in OUR_LOG.split(RULE)[-1].splitlines()
+                      if records.VAL_LINE.fullmatch(line) or records.TRAIN_LINE.fullmatch(line)]
+        steps = self.write("run_steps.txt", "\n".join(step_lines) + "\n")
+        self.assertIn(f"{full} and {steps}: the same run", self.refusal(full, steps))
+
+    def test_refuses_a_run_in_both_sets(self):
+        self.assertIn(f"{LOG_8054} and {LOG_8054}: the same file",
+                      self.refusal(LOG_8054, os.path.join(REFERENCE, REFERENCE_LOGS[2]), "--against", LOG_8054))
+
+    def test_runs_that_differ_in_one_step_time_are_two_runs(self):
+        with open(LOG_8054) as f:
+            text = f.read()
+        other = self.write("other.txt", text.replace("step:1/1770 train_time:157ms", "step:1/1770 train_time:158ms"))
+        self.assertEqual(self.command("stats", LOG_8054, other)[0], 0)
 
 
 class Freeze(TempDir):
@@ -299,10 +365,10 @@ class Tables(TempDir):
         self.assertEqual(records.update_tables(self.dir, check=True), [])
         with open(os.path.join(self.dir, "README.md")) as f:
             top = f.read()
-        self.assertIn("| [2025-07-13_reference](records/2025-07-13_reference/) | 3.28 | 3 | 1770 | 3.27870 | 0.00062 | 0.0345 |", top)
-        self.assertIn("| [2025-07-14_empty](records/2025-07-14_empty/) | 2.67 | 0 | n/a |", top)
+        self.assertIn("| [2025-07-13_reference](records/2025-07-13_reference/) | 3.28 | 3 | 1770 | 3.27870 | 0.00062 | -3.606 | 2 | 0.0345 |", top)
+        self.assertIn("| [2025-07-14_empty](records/2025-07-14_empty/) | 2.67 | 0 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |\n", top)
         with open(os.path.join(folder, "README.md")) as f:
-            self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | 0.0345 | no | 176.594 | 2.430 |", f.read())
+            self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | -3.606 | 2 | 0.0345 | no | 176.594 | 2.430 |", f.read())
 
 
 if __name__ == "__main__":

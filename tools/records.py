@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Records of the speedrun: frozen single-file trainers, the statistics of their run logs, the
-comparison of two runs, and the generated record tables. Standard library only.
+comparison of runs with a record's, and the generated record tables. Standard library only, but for
+the plots (--png), which need matplotlib.
 
   records.py freeze NAME [--date YYYY-MM-DD] [--target 3.28]  new records/<date>_<NAME>/
   records.py inline OUTPUT                                    the single-file trainer only
-  records.py stats LOG|DIR... [--against LOG|DIR...] [--target 3.28]
-  records.py compare OURS RECORD [--png FILE]
+  records.py stats LOG|DIR... [--against LOG|DIR...] [--target 3.28] [--png FILE]
+  records.py compare OURS... RECORD [--png FILE]
   records.py table [--check]                                  regenerate the README tables
 """
 import argparse
@@ -14,9 +15,7 @@ import math
 import os
 import re
 import statistics
-import struct
 import sys
-import zlib
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,11 +109,35 @@ def finished_runs(paths):
     if len(by_target) > 1:
         mix = "; ".join(f"{n} steps in {', '.join(files)}" for n, files in sorted(by_target.items()))
         raise RecordError(f"runs mix targets: {mix}")
+    refuse_duplicates(runs)
     return runs
 
 
+def refuse_duplicates(runs):
+    """Refuses a run counted twice, which the tests would take for two independent runs (one file
+    named twice gave p = 0). The same file: the same inode, however named (twice, through a folder
+    and directly, through a link). The same run: the same step lines. Our logs carry their run id
+    only in their file name (logs/<run-id>.txt; the text begins with the source) and the
+    reference's step-line files none, and a copy may be renamed, so a run is known by its
+    measurements: two real runs never agree on every step's train time to the millisecond. This
+    also catches a full log beside its step-line extract."""
+    files, measurements = {}, {}
+    for run in runs:
+        info = os.stat(run.path)
+        file_key, run_key = (info.st_dev, info.st_ino), (tuple(run.val), tuple(run.train))
+        if file_key in files:
+            raise RecordError(f"{files[file_key]} and {run.path}: the same file, named twice; each run counts once")
+        if run_key in measurements:
+            raise RecordError(f"{measurements[run_key]} and {run.path}: the same run (identical step lines); "
+                              "each run counts once")
+        files[file_key] = measurements[run_key] = run.path
+
+
 # ------------------------------------------------------------------------------------------------
-# Statistics: Student's t distribution through the regularised incomplete beta function.
+# Statistics: Student's t distribution through the regularised incomplete beta function. In the
+# standard library, not scipy: these few lines agree with scipy 1.10 to 1e-15 on every p and t
+# tried (and the tests hold them to closed forms and t-tables), while scipy would be a large
+# dependency of the one command every record needs, on machines (the GPU hosts, CI) that may lack it.
 # ------------------------------------------------------------------------------------------------
 def incomplete_beta(a, b, x):
     """I_x(a, b) by Lentz's continued fraction (Numerical Recipes 6.4), on the side where it converges."""
@@ -159,13 +182,34 @@ def summarize(values):
     return Summary(len(values), statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan)
 
 
-def one_sample_less_p(s, target):
-    """One-sided one-sample t-test of mean < target (scipy.stats.ttest_1samp(..., alternative='less'))."""
+def t_quantile(probability, df):
+    """The t with P(T <= t) = probability, by bisection of the increasing t_cdf."""
+    low, high = -1.0, 1.0
+    while t_cdf(low, df) > probability:
+        low *= 2
+    while t_cdf(high, df) < probability:
+        high *= 2
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_cdf(middle, df) < probability else (low, middle)
+    return (low + high) / 2
+
+
+def one_sample_less(s, target):
+    """One-sided one-sample t-test of mean < target: (t, df, p), as scipy.stats.ttest_1samp(...,
+    alternative='less'). Runs that all end at one loss are below the target, or not, for certain."""
+    if s.n < 2:
+        return math.nan, math.nan, math.nan
+    t = (s.mean - target) / (s.std / math.sqrt(s.n)) if s.std > 0 else math.copysign(math.inf, s.mean - target)
+    return t, s.n - 1, t_cdf(t, s.n - 1)
+
+
+def upper_confidence_bound(s):
+    """The one-sided (1 - SIGNIFICANCE) upper confidence bound of the mean: the mean is below a
+    target at p < SIGNIFICANCE exactly when this bound is."""
     if s.n < 2:
         return math.nan
-    if s.std == 0:
-        return 0.0 if s.mean < target else 1.0
-    return t_cdf((s.mean - target) / (s.std / math.sqrt(s.n)), s.n - 1)
+    return s.mean + t_quantile(1 - SIGNIFICANCE, s.n - 1) * s.std / math.sqrt(s.n)
 
 
 def welch(a, b):
@@ -199,15 +243,18 @@ def loss_and_seconds(runs):
 
 def set_row(runs, target):
     loss, seconds = loss_and_seconds(runs)
-    p = one_sample_less_p(loss, target)
-    significant = "n/a" if math.isnan(p) else "yes" if p < SIGNIFICANCE else "no"
-    return [str(loss.n), str(runs[0].num_iterations), number(loss.mean, 5), number(loss.std, 5),
-            number(p, 4), significant, number(seconds.mean, 3), number(seconds.std, 3)]
+    t, df, p = one_sample_less(loss, target)
+    return [str(loss.n), str(runs[0].num_iterations), number(loss.mean, 5), number(loss.std, 5), number(t, 3),
+            number(df, 0), number(p, 4), significance(p), number(seconds.mean, 3), number(seconds.std, 3)]
+
+
+def significance(p):
+    return "n/a" if math.isnan(p) else "yes" if p < SIGNIFICANCE else "no"
 
 
 def set_header(target):
-    return ["runs", "steps", "val loss mean", "val loss std", f"p (mean < {target})", f"p < {SIGNIFICANCE}",
-            "time mean (s)", "time std (s)"]
+    return ["runs", "steps", "val loss mean", "val loss std", f"t (mean < {target})", "df", "p",
+            f"p < {SIGNIFICANCE}", "time mean (s)", "time std (s)"]
 
 
 def runs_table(runs):
@@ -229,82 +276,173 @@ def stats_report(runs, target, against=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# Comparison of two runs: step-aligned validation table and a PNG of both curves.
+# Comparison of runs with a record's run: step-aligned validation tables.
 # ------------------------------------------------------------------------------------------------
-def comparison_table(ours, record):
+def aligned_validation(ours, record):
+    """(step, our val loss, the record's, our train ms, the record's) at each validation step of both."""
     theirs = {step: (loss, ms) for step, loss, ms in record.val}
-    rows = [[str(step), f"{loss:.4f}", f"{theirs[step][0]:.4f}", f"{loss - theirs[step][0]:+.4f}",
-             str(ms), str(theirs[step][1]), f"{ms - theirs[step][1]:+d}"]
-            for step, loss, ms in ours.val if step in theirs]
+    rows = [(step, loss, theirs[step][0], ms, theirs[step][1]) for step, loss, ms in ours.val if step in theirs]
     if not rows:
         raise RecordError(f"{ours.path} and {record.path}: no validation step in common")
+    return rows
+
+
+def comparison_table(ours, record):
+    rows = [[str(step), f"{loss:.4f}", f"{their_loss:.4f}", f"{loss - their_loss:+.4f}",
+             str(ms), str(their_ms), f"{ms - their_ms:+d}"]
+            for step, loss, their_loss, ms, their_ms in aligned_validation(ours, record)]
     note = "" if ours.num_iterations == record.num_iterations else (
         f"note: ours runs {ours.num_iterations} steps, the record {record.num_iterations}; "
         "steps compared by number\n\n")
-    return note + markdown(["step", "ours val loss", "record val loss", "delta loss",
-                            "ours time (ms)", "record time (ms)", "delta time (ms)"], rows)
+    return f"{ours.path} against the record {record.path}:\n\n" + note + markdown(
+        ["step", "ours val loss", "record val loss", "delta loss", "ours time (ms)", "record time (ms)",
+         "delta time (ms)"], rows)
 
 
-OURS_COLOUR, RECORD_COLOUR = (31, 119, 180), (255, 127, 14)
-GRID, AXIS, WHITE = (220, 220, 220), (0, 0, 0), (255, 255, 255)
+# ------------------------------------------------------------------------------------------------
+# Plots (--png): a matplotlib Figure on the Agg canvas, which writes files and needs no display.
+# matplotlib is imported only here, so that every command without a plot runs without it.
+# ------------------------------------------------------------------------------------------------
+LOSS_RESOLUTION = 0.001  # a val loss difference the plots must show: the logs print 4 decimals
 
 
-class Canvas:
-    def __init__(self, width, height):
-        self.width, self.height = width, height
-        self.pixels = bytearray(WHITE * (width * height))
-
-    def dot(self, x, y, colour, radius=0):
-        for yy in range(y - radius, y + radius + 1):
-            for xx in range(x - radius, x + radius + 1):
-                if 0 <= xx < self.width and 0 <= yy < self.height:
-                    i = 3 * (yy * self.width + xx)
-                    self.pixels[i:i + 3] = bytes(colour)
-
-    def line(self, x0, y0, x1, y1, colour, radius=0):
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for i in range(steps + 1):
-            self.dot(round(x0 + (x1 - x0) * i / steps), round(y0 + (y1 - y0) * i / steps), colour, radius)
-
-    def png(self):
-        def chunk(kind, data):
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        stride = 3 * self.width
-        raw = b"".join(b"\x00" + bytes(self.pixels[y * stride:(y + 1) * stride]) for y in range(self.height))
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+def new_figure(**options):
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RecordError(f"the plots need matplotlib, which {sys.executable} lacks: install it with "
+                          "`apt-get install python3-matplotlib` (Debian, Ubuntu: for /usr/bin/python3) "
+                          "or `pip install matplotlib`") from None
+    figure = Figure(layout="constrained", **options)
+    FigureCanvasAgg(figure)
+    return figure
 
 
-def draw_panel(canvas, left, top, size, curves):
-    """Val loss (log scale, grid at whole losses) against x, x from 0 to the largest x of the curves."""
-    x_max = max(x for points, _, _ in curves for x, _ in points) or 1
-    losses = [loss for points, _, _ in curves for _, loss in points]
-    low, high = math.log(min(losses)) - 0.02, math.log(max(losses)) + 0.02
-    def px(x, loss):
-        return (left + round(x / x_max * size),
-                top + size - round((math.log(loss) - low) / (high - low) * size))
-    for whole in range(math.ceil(math.exp(low)), math.floor(math.exp(high)) + 1):
-        y = px(0, whole)[1]
-        canvas.line(left, y, left + size, y, GRID)
-    for tenth in range(11):
-        x = left + size * tenth // 10
-        canvas.line(x, top + size, x, top + size + 6, AXIS)
-    canvas.line(left, top, left, top + size, AXIS)
-    canvas.line(left, top + size, left + size, top + size, AXIS)
-    for points, colour, radius in curves:
-        for (x0, l0), (x1, l1) in zip(points, points[1:]):
-            canvas.line(*px(x0, l0), *px(x1, l1), colour, radius)
+def log_loss_axis(axes):
+    """Log-scaled val loss labelled with plain numbers (matplotlib's own labels read 3x10^0)."""
+    from matplotlib import ticker
+    axes.set_yscale("log")
+    axes.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)))
+    axes.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    axes.yaxis.set_minor_formatter(ticker.NullFormatter())
+    axes.set_ylabel("val loss (log scale)")
 
 
-def comparison_png(ours, record, path, size=400, margin=40):
-    canvas = Canvas(2 * size + 3 * margin, size + 2 * margin)
-    for panel, x_of in enumerate((lambda step, ms: step, lambda step, ms: ms)):
-        # The record's line is wider, so it shows around ours where the two coincide.
-        curves = [([(x_of(s, ms), loss) for s, loss, ms in run.val], colour, radius)
-                  for run, colour, radius in ((record, RECORD_COLOUR, 2), (ours, OURS_COLOUR, 1))]
-        draw_panel(canvas, margin + panel * (size + margin), margin, size, curves)
-    with open(path, "wb") as f:
-        f.write(canvas.png())
+def loss_difference_axis(axes, differences):
+    """Linear with a grid line every LOSS_RESOLUTION while every difference is within ten of them;
+    beyond, symlog, linear within one LOSS_RESOLUTION, so that a late 0.001 stays visible beside an
+    early 0.1."""
+    from matplotlib import ticker
+    largest = max(abs(d) for d in differences)
+    if largest > 10 * LOSS_RESOLUTION:
+        axes.set_yscale("symlog", linthresh=LOSS_RESOLUTION)
+        axes.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        axes.margins(y=0.08)
+        axes.set_ylabel(f"val loss difference, > 0: higher\n(linear within ±{LOSS_RESOLUTION:g}, log beyond)")
+    else:
+        half_height = 1.15 * max(largest, 2 * LOSS_RESOLUTION)
+        axes.set_ylim(-half_height, half_height)
+        axes.yaxis.set_minor_locator(ticker.MultipleLocator(LOSS_RESOLUTION))
+        axes.grid(which="minor", alpha=0.25)
+        axes.set_ylabel("val loss difference, > 0: higher")
+
+
+def final_text(run):
+    step, loss, ms = run.val[-1]
+    unfinished = "" if step == run.num_iterations else f" at step {step} of {run.num_iterations}"
+    return f"val loss {loss:.4f} in {ms / 1000:.1f} s{unfinished}"
+
+
+def comparison_figure(runs, record):
+    """Val loss against step and against train time (log scale), and each run's val loss and train
+    time minus the record's at the validation steps they share (the record is the zero line)."""
+    aligned = [aligned_validation(run, record) for run in runs]  # first: refuses runs with nothing to compare
+    figure = new_figure(figsize=(13, 9.5))
+    (by_step, by_time), (loss_difference, time_difference) = figure.subplots(2, 2)
+    # The record's dashed black line is drawn last, over ours, so it shows where they coincide.
+    styles = [(run, {"color": f"C{i}", "label": os.path.basename(run.path)}) for i, run in enumerate(runs)]
+    styles.append((record, {"color": "black", "linestyle": "--", "label": f"record: {os.path.basename(record.path)}"}))
+    for run, style in styles:
+        steps, losses, ms = zip(*run.val)
+        by_step.plot(steps, losses, marker="o", markersize=3, **style)
+        by_time.plot([m / 1000 for m in ms], losses, marker="o", markersize=3, **style)
+    differences = []  # of every run, to scale the axis
+    for rows, (_, style) in zip(aligned, styles):
+        steps, losses, their_losses, ms, their_ms = zip(*rows)
+        run_differences = [loss - theirs for loss, theirs in zip(losses, their_losses)]
+        differences += run_differences
+        loss_difference.plot(steps, run_differences, marker="o", markersize=4, **style)
+        time_difference.plot(steps, [(m - theirs) / 1000 for m, theirs in zip(ms, their_ms)], marker="o",
+                             markersize=4, **style)
+    for axes in (loss_difference, time_difference):
+        axes.axhline(0, color="black", linestyle="--", linewidth=1)
+    loss_difference_axis(loss_difference, differences)
+    for axes, title in ((by_step, "val loss against step"), (by_time, "val loss against train time"),
+                        (loss_difference, "val loss minus the record's at the same step"),
+                        (time_difference, "train time minus the record's at the same step")):
+        axes.set_title(title)
+        axes.grid(alpha=0.4)
+    for axes in (by_step, by_time):
+        log_loss_axis(axes)
+    by_step.legend(loc="upper right")
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("train time (s)")
+    loss_difference.set_xlabel("step")
+    time_difference.set_xlabel("step")
+    time_difference.set_ylabel("train time difference (s), > 0: slower")
+    title = [f"record (dashed) {os.path.basename(record.path)}: {final_text(record)}"]
+    for run, rows in zip(runs, aligned):
+        step, loss, their_loss, ms, their_ms = rows[-1]
+        title.append(f"{os.path.basename(run.path)}: {final_text(run)}; against the record at step {step}: "
+                     f"{loss - their_loss:+.4f}, {(ms - their_ms) / 1000:+.1f} s")
+    figure.suptitle("\n".join(title))
+    return figure
+
+
+def set_label(paths):
+    """A set of runs by the folder that holds all of its paths."""
+    return os.path.basename(os.path.commonpath([os.path.abspath(p) for p in paths]))
+
+
+def stats_figure(sets, target):
+    """Each set's final val losses (a dot a run), their mean and its one-sided upper confidence
+    bound (below the target exactly when p < SIGNIFICANCE), against the target line; each set's
+    one-sample test under it. sets holds (label, runs) pairs: one set, or two for --against."""
+    figure = new_figure(figsize=(9, 7))
+    axes = figure.subplots()
+    summaries, set_texts = [], []
+    for x, (label, runs) in enumerate(sets):
+        loss = summarize([run.final()[0] for run in runs])
+        summaries.append(loss)
+        # The runs' dots spread sideways in run order, so that equal losses stay apart.
+        offsets = [0.3 * (i / (loss.n - 1) - 0.5) if loss.n > 1 else 0.0 for i in range(loss.n)]
+        axes.scatter([x + o for o in offsets], [run.final()[0] for run in runs], color=f"C{x}", alpha=0.7, s=40,
+                     label="final val loss of a run" if x == 0 else None)
+        bound = upper_confidence_bound(loss)
+        axes.errorbar([x + 0.3], [loss.mean], yerr=None if math.isnan(bound) else [[0], [bound - loss.mean]],
+                      fmt="D", color="black", capsize=10,
+                      label=f"mean; bar up to its one-sided {1 - SIGNIFICANCE:.0%} upper confidence bound,\n"
+                            f"below the target exactly when p < {SIGNIFICANCE}" if x == 0 else None)
+        t, df, p = one_sample_less(loss, target)
+        verdict = {"yes": "", "no": f" (not < {SIGNIFICANCE})", "n/a": " (too few runs)"}[significance(p)]
+        set_texts.append(f"{label} (n = {loss.n})\nmean {number(loss.mean, 5)}, std {number(loss.std, 5)}\n"
+                         f"mean < {target}: t = {number(t, 3)}, df = {number(df, 0)}\np = {number(p, 4)}{verdict}")
+    title = [f"Final val loss against the target {target}"]
+    if len(summaries) == 2:
+        t, df, p = welch(*summaries)
+        title.append(f"B against A, Welch's two-sided test: mean B - mean A = "
+                     f"{number(summaries[1].mean - summaries[0].mean, 5)}, t = {number(t, 3)}, df = {number(df, 2)}, "
+                     f"p = {number(p, 4)}")
+    axes.axhline(target, color="red", linestyle="--", label=f"target {target}")
+    axes.set_xticks(range(len(sets)), set_texts)
+    axes.set_xlim(-0.6, len(sets) - 0.3)
+    axes.set_ylabel("final val loss")
+    axes.ticklabel_format(axis="y", useOffset=False)
+    axes.grid(axis="y", alpha=0.4)
+    axes.legend(loc="best")
+    figure.suptitle("\n".join(title))
+    return figure
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,7 +551,8 @@ def records_table(records_dir):
     for name in record_folders(records_dir):
         folder = os.path.join(records_dir, name)
         target = record_target(folder)
-        stats = set_row(finished_runs([folder]), target) if has_logs(folder) else ["0"] + ["n/a"] * 7
+        no_runs = ["0"] + ["n/a"] * (len(set_header(target)) - 1)
+        stats = set_row(finished_runs([folder]), target) if has_logs(folder) else no_runs
         rows.append([f"[{name}](records/{name}/)", str(target)] + stats)
     if not rows:
         return "No records yet: the first comes with the trainer's first runs (see `records/README.md`).\n"
@@ -461,10 +600,11 @@ def main(argv=None):
     p.add_argument("--against", nargs="+", metavar="LOG|DIR",
                    help="a second set: Welch's t-tests of it against the first")
     p.add_argument("--target", type=float, default=FINEWEB_TARGET, help="val loss of the one-sided test")
-    p = sub.add_parser("compare", help="step-aligned validation of our run against a record's, and a PNG")
-    p.add_argument("ours")
-    p.add_argument("record")
-    p.add_argument("--png", default="comparison.png")
+    p.add_argument("--png", metavar="FILE", help="plot the final val losses against the target (matplotlib)")
+    p = sub.add_parser("compare", help="step-aligned validation of our runs against a record's run, and a plot")
+    p.add_argument("ours", nargs="+", metavar="OURS", help="our run logs")
+    p.add_argument("record", metavar="RECORD", help="the record's run log")
+    p.add_argument("--png", metavar="FILE", help="plot the val losses and their differences (matplotlib)")
     p = sub.add_parser("table", help="regenerate the record tables of README.md and records/*/README.md")
     p.add_argument("--check", action="store_true", help="change nothing; fail if a table is out of date")
     args = parser.parse_args(argv)
@@ -484,14 +624,24 @@ def run_command(args):
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         write_text(args.output, single_file_trainer())
     elif args.command == "stats":
+        runs = finished_runs(args.logs)
         against = finished_runs(args.against) if args.against else None
-        print(stats_report(finished_runs(args.logs), args.target, against), end="")
+        refuse_duplicates(runs + (against or []))
+        sets = [(f"A: {set_label(args.logs)}", runs), (f"B: {set_label(args.against)}", against)] if against \
+            else [(set_label(args.logs), runs)]
+        figure = stats_figure(sets, args.target) if args.png else None  # before any output: may lack matplotlib
+        print(stats_report(runs, args.target, against), end="")
+        if figure:
+            figure.savefig(args.png)
+            print(f"\n{args.png}: the final val loss of each run, the mean and its upper confidence bound, "
+                  "against the target")
     elif args.command == "compare":
-        ours, record = parse_log(args.ours), parse_log(args.record)
-        print(comparison_table(ours, record), end="")
-        comparison_png(ours, record, args.png)
-        print(f"\n{args.png}: val loss (log scale) against step (left) and train time (right); "
-              f"blue: ours ({ours.path}), orange: record ({record.path})")
+        runs, record = [parse_log(path) for path in args.ours], parse_log(args.record)
+        figure = comparison_figure(runs, record) if args.png else None  # before any output: may lack matplotlib
+        print("\n".join(comparison_table(run, record) for run in runs), end="")
+        if figure:
+            figure.savefig(args.png)
+            print(f"\n{args.png}: val loss against step and train time, and ours minus the record's")
     elif args.command == "table":
         changed = update_tables(check=args.check)
         for path in changed:
