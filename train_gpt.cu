@@ -1396,9 +1396,10 @@ class Optimizers {
 
   void adam_update_share(const Collective& c, int step, float grad_scale, cudaStream_t stream) {
     const int r = comm_.rank(), W = comm_.world_size();
-    const int64_t valid = c.adam->valid_rows(r) * c.adam->row_elems;
-    if (valid <= 0) return;
     const int owner = injected_fault() == Fault::wrong_shard_offset ? (r + 1) % W : r;  // the oracle's bug
+    // Rows of this rank's share that the parameter holds (the owner's, so that the bug stays in bounds).
+    const int64_t valid = std::min(c.adam->valid_rows(r), c.adam->valid_rows(owner)) * c.adam->row_elems;
+    if (valid <= 0) return;
     const ParamKind kind = params_.list[c.adam->param].kind;
     AdamStep s{float(h_.adam_lr * adam_lr_multiplier(h_, kind) * schedule_.lr_factor(step)), float(h_.adam_beta1),
                float(h_.adam_beta2), float(h_.adam_eps), adam_steps_, grad_scale};

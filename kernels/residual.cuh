@@ -2,16 +2,24 @@
 // U-net skips x += w skip, the value mix v = sa0 v + sa1 ve. All are out = a x + b y with fp32
 // scalars read from device memory (the masters the optimizer updates, so no host sync), bf16
 // tensors, fp32 math. x may be a strided view (v is the last third of each qkv row). The scalar
-// gradients are sums over T x d products: per-block partial sums in a fixed grid, then one block
-// adds them in order, so they are deterministic.
+// gradients are sums over T x d products: per-block partial sums in a grid fixed by the shape, then
+// one block adds them in order, so they are deterministic.
 #pragma once
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
 constexpr int kScalarReductionBlocks = 264;  // 2 per SM; the scratch holds 2 x this many floats
+
+// The scalar reductions' grid: 2 blocks per SM at the record's shapes, fewer where T x d is small
+// (a block per 2048 vectors of 8 at least), so that small problems do not launch idle blocks.
+inline int scalar_reduction_blocks(int T, int d) {
+  const size_t vectors = size_t(T) * d / 8, per_block = 256 * 8;
+  return int(std::min<size_t>(kScalarReductionBlocks, std::max<size_t>(1, (vectors + per_block - 1) / per_block)));
+}
 
 inline void check_residual_width(int d, int x_stride) {
   if (d % 8 != 0 || x_stride % 8 != 0)
@@ -111,11 +119,12 @@ inline void weighted_sum_backward(const bf16* dout, const bf16* x, const float* 
                                   int x_stride, float* scratch, cudaStream_t stream) {
   check_residual_width(d, x_stride);
   if (dx == dout && !a) dx = nullptr;  // dx = 1 * dout in place: nothing to write
-  weighted_sum_backward_kernel<<<kScalarReductionBlocks, 256, 0, stream>>>(
-      dout, da ? x : nullptr, x_stride, a, db ? y : nullptr, b, dx, dy, accumulate_dy, scratch, T, d);
+  const int blocks = scalar_reduction_blocks(T, d);
+  weighted_sum_backward_kernel<<<blocks, 256, 0, stream>>>(dout, da ? x : nullptr, x_stride, a, db ? y : nullptr, b,
+                                                           dx, dy, accumulate_dy, scratch, T, d);
   CUDA_CHECK_LAUNCH();
   if (!da && !db) return;
-  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(scratch, kScalarReductionBlocks, da, db);
+  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(scratch, blocks, da, db);
   CUDA_CHECK_LAUNCH();
 }
 

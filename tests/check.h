@@ -1,5 +1,6 @@
 // A minimal test harness: CHECK records failures and keeps going; main returns run_checks().
 #pragma once
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -23,25 +24,42 @@ inline void fail(const char* file, int line, const std::string& what) {
   ++failures();
 }
 
-// Runs every registered case and returns the process exit code (0 when all passed).
-inline int run_checks() {
-  int failed_cases = 0;
+// Runs the registered cases whose names contain one of `filters` (every case without filters),
+// each timed, and returns the process exit code: 0 when all passed, 1 when one failed or when the
+// filters select nothing (a misspelt filter must not pass by running no case). CTest splits a
+// long suite into several tests this way, so that they run side by side.
+inline int run_checks(const std::vector<std::string>& filters = {}) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines appear as they are printed, also into a file
+  int failed_cases = 0, ran = 0;
   for (const Case& c : cases()) {
+    bool selected = filters.empty();
+    for (const std::string& f : filters) selected |= std::string(c.name).find(f) != std::string::npos;
+    if (!selected) continue;
+    ++ran;
     int before = failures();
     std::printf("[ RUN  ] %s\n", c.name);
     std::fflush(stdout);
+    const auto start = std::chrono::steady_clock::now();
     try {
       c.body();
     } catch (const std::exception& e) {
       fail(__FILE__, __LINE__, std::string("unexpected exception: ") + e.what());
     }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     bool ok = failures() == before;
     failed_cases += !ok;
-    std::printf("[ %s ] %s\n", ok ? " OK " : "FAIL", c.name);
+    std::printf("[ %s ] %s (%.1f s)\n", ok ? " OK " : "FAIL", c.name, seconds);
   }
-  std::printf("%d passed, %d failed\n", int(cases().size()) - failed_cases, failed_cases);
+  if (ran == 0) {
+    std::printf("no test case matches the filters given\n");
+    return 1;
+  }
+  std::printf("%d passed, %d failed\n", ran - failed_cases, failed_cases);
   return failed_cases == 0 ? 0 : 1;
 }
+
+// The filters are the program's arguments.
+inline int run_checks(int argc, char** argv) { return run_checks(std::vector<std::string>(argv + 1, argv + argc)); }
 
 }  // namespace check
 

@@ -34,7 +34,13 @@ struct ThreadPosition {
   // The thread's index in its block, x fastest: warps are runs of 32 of these.
   int linear_index() const { return int(thread.x + block_dim.x * (thread.y + block_dim.y * thread.z)); }
 };
-const ThreadPosition& position();  // of the running CUDA thread
+// The running CUDA thread's position (null between kernels), read inline: every threadIdx is one.
+extern thread_local const ThreadPosition* running_position;
+[[noreturn]] void position_read_outside_a_kernel();
+inline const ThreadPosition& position() {
+  if (!running_position) position_read_outside_a_kernel();
+  return *running_position;
+}
 
 void sync_threads();
 // Every lane of the running thread's warp passes `in_bytes` at `in`; all of them meet, the last to
@@ -78,7 +84,12 @@ void proxy_async_fence();
 // whose swizzled tiles assume an aligned base computes wrong products here too.
 constexpr uint32_t kDynamicSharedWindowBase = 0x610;
 uint32_t shared_window_address(const void* p);
-const void* shared_window_pointer(uint32_t address, size_t bytes);
+// The dynamic shared memory seen through the window: byte i is at address kDynamicSharedWindowBase + i.
+struct SharedWindow {
+  const unsigned char* data;
+  uint32_t bytes;
+};
+SharedWindow dynamic_shared_window();
 
 template <typename T>
 T* dynamic_shared() {

@@ -66,15 +66,19 @@ struct SharedMatrix {
   explicit SharedMatrix(uint64_t desc)
       : start(uint32_t(desc & 0x3FFF) << 4),
         leading(uint32_t(desc >> 16 & 0x3FFF) << 4),
-        stride(uint32_t(desc >> 32 & 0x3FFF) << 4) {
+        stride(uint32_t(desc >> 32 & 0x3FFF) << 4),
+        window(::emu::dynamic_shared_window()) {
     if (desc >> 62 != 1) wgmma_fatal("a descriptor without 128-byte swizzling");
     if ((desc >> 49 & 7) != 0) wgmma_fatal("a descriptor with a base offset (the kernels align their atoms)");
   }
   float at(uint32_t offset) const {
     uint32_t address = start + offset;
     address ^= (address >> 7 & 7) << 4;
+    const uint32_t byte = address - ::emu::kDynamicSharedWindowBase;  // wraps below the window
+    if (address < ::emu::kDynamicSharedWindowBase || byte + 2 > window.bytes)
+      wgmma_fatal("a descriptor addresses memory outside the dynamic shared memory");
     uint16_t bits;
-    std::memcpy(&bits, ::emu::shared_window_pointer(address, 2), 2);
+    std::memcpy(&bits, window.data + byte, 2);
     return bf16_bits_to_float(bits);
   }
   // K-major: 8-row groups `stride` apart, rows of 128 bytes, k contiguous.
@@ -83,6 +87,7 @@ struct SharedMatrix {
   // of k `stride` apart, groups of 64 MN `leading` apart.
   float mn_major(int mn, int k) const { return at(mn / 64 * leading + mn % 64 * 2 + k / 8 * stride + k % 8 * 128); }
   uint32_t start, leading, stride;
+  ::emu::SharedWindow window;
 };
 
 // The thread's rows of the 64-row product: warp w of the warpgroup holds rows 16 w + lane / 4 and
@@ -91,15 +96,22 @@ inline int linear_thread() { return ::emu::position().linear_index(); }
 inline int wgmma_first_row() { return linear_thread() / 32 % 4 * 16 + linear_thread() % 32 / 4; }
 
 // d[64 x N] (this thread's N / 8 x 4 elements) = A[64 x 16] B[16 x N] (+ d), B from its descriptor.
+// The thread's 2 N / 8 columns of B are read once, then serve both of its rows.
 template <int trans_b, int tiles>
 void wgmma_product_into(float (&d)[tiles][4], const float (&a)[2][16], uint64_t desc_b, bool accumulate) {
   const SharedMatrix b(desc_b);
   const int t = linear_thread() % 4;
+  float columns[tiles][2][16];
+  for (int n = 0; n < tiles; ++n)
+    for (int c = 0; c < 2; ++c)
+      for (int k = 0; k < 16; ++k) {
+        const int col = 8 * n + 2 * t + c;
+        columns[n][c][k] = trans_b ? b.mn_major(col, k) : b.k_major(col, k);
+      }
   for (int n = 0; n < tiles; ++n)
     for (int e = 0; e < 4; ++e) {
-      const int col = 8 * n + 2 * t + (e & 1);
       float sum = 0;
-      for (int k = 0; k < 16; ++k) sum += a[e / 2][k] * (trans_b ? b.mn_major(col, k) : b.k_major(col, k));
+      for (int k = 0; k < 16; ++k) sum += a[e / 2][k] * columns[n][e & 1][k];
       d[n][e] = accumulate ? d[n][e] + sum : sum;
     }
 }

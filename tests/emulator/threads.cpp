@@ -87,6 +87,12 @@ struct Warp {
   const char* what = nullptr;
   // By generation parity: a lane may enter the next operation while others still read this one.
   alignas(16) unsigned char inputs[2][32 * kSlotBytes], outputs[2][32 * kSlotBytes];
+
+  void reset() {  // the slots need no clearing: each operation writes them before reading
+    live = arrived = 0;
+    generation = 0;
+    what = nullptr;
+  }
 };
 
 constexpr size_t kAsyncCopyBytes = 16;
@@ -108,6 +114,18 @@ struct Fiber {
   std::deque<std::vector<std::function<void()>>> wgmma_committed;
   bool wgmma_fenced = false;     // a wgmma.fence since the last commit
   bool copies_unfenced = false;  // cp.async copies landed since the last fence.proxy.async
+
+  // A fresh thread at `at`, keeping the containers' memory (blocks start by the thousand).
+  void start(const ThreadPosition& at, void* stack_pointer) {
+    sp = stack_pointer;
+    done = at_barrier = wgmma_fenced = copies_unfenced = false;
+    barrier_generation = 0;
+    position = at;
+    uncommitted.clear();
+    committed.clear();
+    wgmma_uncommitted.clear();
+    wgmma_committed.clear();
+  }
 };
 
 // The block being run on this host thread.
@@ -117,6 +135,7 @@ struct Block {
   int live = 0, arrived = 0;
   unsigned generation = 0;
   uint64_t progress = 0;  // counts arrivals at barriers and warp operations, and exits
+  int unfenced_threads = 0;  // fibers whose copies_unfenced is set
   std::vector<unsigned char> shared;  // dynamic shared memory
   const std::function<void()>* body = nullptr;
 };
@@ -172,8 +191,10 @@ void* initial_stack(char* top) {
 
 void resume(Fiber& f) {
   host.running = &f;
+  running_position = &f.position;
   emu_switch_stack(&host.scheduler_sp, f.sp);
   host.running = nullptr;
+  running_position = nullptr;
 }
 
 // Runs warp w's threads until each has finished or waits at a __syncthreads that others have not
@@ -200,24 +221,24 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   Block& b = host.block;
   const int threads = int(c.block.x * c.block.y * c.block.z), warps = (threads + 31) / 32;
   while (int(host.stacks.size()) < threads) host.stacks.push_back(std::make_unique<Stack>());
-  b.fibers.assign(threads, Fiber{});
-  b.warps.assign(warps, Warp{});
+  b.fibers.resize(threads);
+  b.warps.resize(warps);
+  for (Warp& w : b.warps) w.reset();
   for (int i = 0; i < threads; ++i) {
-    Fiber& f = b.fibers[i];
-    f.position = {dim3(i % c.block.x, i / c.block.x % c.block.y, i / (c.block.x * c.block.y)), block_index, c.block,
-                  c.grid};
-    f.sp = initial_stack(host.stacks[i]->top());
+    b.fibers[i].start({dim3(i % c.block.x, i / c.block.x % c.block.y, i / (c.block.x * c.block.y)), block_index,
+                       c.block, c.grid},
+                      initial_stack(host.stacks[i]->top()));
     ++b.warps[i / 32].live;
   }
   b.live = threads;
   b.arrived = 0;
+  b.unfenced_threads = 0;
   // Shared memory starts as garbage on the GPU: poisoned here, so a read before a write shows.
   std::memset(b.shared.data(), 0xFF, b.shared.size());
-  for (int done = 0; done < threads;) {
+  while (b.live > 0) {
     const uint64_t progress = b.progress;
     for (int w = 0; w < warps; ++w) run_warp_to_barrier(b, w);
-    done = int(std::count_if(b.fibers.begin(), b.fibers.end(), [](const Fiber& f) { return f.done; }));
-    if (b.progress == progress && done < threads)
+    if (b.progress == progress && b.live > 0)
       fatal("deadlock in block (" + std::to_string(block_index.x) + ", " + std::to_string(block_index.y) + ", " +
             std::to_string(block_index.z) + "): threads wait at a barrier or warp operation that others never reach");
   }
@@ -225,10 +246,9 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
 
 }  // namespace
 
-const ThreadPosition& position() {
-  if (!host.running) fatal("threadIdx and friends read outside a kernel");
-  return host.running->position;
-}
+thread_local const ThreadPosition* running_position = nullptr;
+
+void position_read_outside_a_kernel() { fatal("threadIdx and friends read outside a kernel"); }
 
 void* dynamic_shared_memory() { return host.block.shared.data(); }
 
@@ -250,22 +270,30 @@ void async_copy_wait(int pending_groups_left) {
   Fiber& f = *host.running;
   while (int(f.committed.size()) > pending_groups_left) {
     for (const PendingCopy& c : f.committed.front()) std::memcpy(c.shared, c.data, kAsyncCopyBytes);
-    f.copies_unfenced |= !f.committed.front().empty();
+    if (!f.copies_unfenced && !f.committed.front().empty()) {
+      f.copies_unfenced = true;
+      ++host.block.unfenced_threads;
+    }
     f.committed.pop_front();
   }
 }
 
-void proxy_async_fence() { host.running->copies_unfenced = false; }
+void proxy_async_fence() {
+  Fiber& f = *host.running;
+  if (f.copies_unfenced) --host.block.unfenced_threads;
+  f.copies_unfenced = false;
+}
 
 void wgmma_fence() { host.running->wgmma_fenced = true; }
 
 void wgmma_issue(std::function<void()> land) {
   Fiber& f = *host.running;
   if (!f.wgmma_fenced) fatal("a wgmma group begun without a wgmma.fence");
-  for (const Fiber& other : host.block.fibers)
-    if (other.copies_unfenced)
-      fatal("wgmma issued while thread " + std::to_string(other.position.linear_index()) +
-            "'s landed cp.async copies are not fenced for the async proxy (fence.proxy.async)");
+  if (host.block.unfenced_threads > 0)
+    for (const Fiber& other : host.block.fibers)
+      if (other.copies_unfenced)
+        fatal("wgmma issued while thread " + std::to_string(other.position.linear_index()) +
+              "'s landed cp.async copies are not fenced for the async proxy (fence.proxy.async)");
   f.wgmma_uncommitted.push_back(std::move(land));
 }
 
@@ -292,11 +320,9 @@ uint32_t shared_window_address(const void* p) {
   return kDynamicSharedWindowBase + uint32_t(byte - shared.data());
 }
 
-const void* shared_window_pointer(uint32_t address, size_t bytes) {
+SharedWindow dynamic_shared_window() {
   const std::vector<unsigned char>& shared = host.block.shared;
-  if (address < kDynamicSharedWindowBase || address - kDynamicSharedWindowBase + bytes > shared.size())
-    fatal("shared-window address " + std::to_string(address) + " is outside the dynamic shared memory");
-  return shared.data() + (address - kDynamicSharedWindowBase);
+  return {shared.data(), uint32_t(shared.size())};
 }
 
 void sync_threads() {

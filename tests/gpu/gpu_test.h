@@ -13,13 +13,14 @@
 
 constexpr int kSkipExitCode = 77;
 
-inline int run_gpu_checks() {
+// The arguments select test cases by name (check::run_checks).
+inline int run_gpu_checks(int argc, char** argv) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::printf("no CUDA device: skipped\n");
     return kSkipExitCode;
   }
-  return check::run_checks();
+  return check::run_checks(argc, argv);
 }
 
 // Built for the CPU emulator of the tests (tests/emulator) rather than for a GPU.

@@ -81,15 +81,15 @@ inline Hyperparameters test_hyperparameters(int steps, int micro_batches, int T)
   return h;
 }
 
-// One rank of the trainer at the fixture's shape: the model, its optimizers over `comm`, and
-// training activations for micro-sequences of h.seq_len tokens.
+// One rank of the trainer (at the fixture's shape unless told): the model, its optimizers over
+// `comm`, and training activations for micro-sequences of h.seq_len tokens.
 struct RankTrainer {
   DeviceMemory memory;
   GPT model;
   Optimizers optimizers;
   Activations acts;
-  RankTrainer(const Hyperparameters& h, DeviceCommunicator& comm)
-      : model(gpu_config(), memory), optimizers(h, model.params, comm, memory),
+  RankTrainer(const Hyperparameters& h, DeviceCommunicator& comm, const GPTConfig& config = gpu_config())
+      : model(config, memory), optimizers(h, model.params, comm, memory),
         acts(model.config(), h.seq_len, /*backward=*/true, memory) {}
 };
 

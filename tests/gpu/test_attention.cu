@@ -219,4 +219,4 @@ TEST_CASE("single document, documents on block boundaries, a 16-block sequence, 
     check_both(layout(128 * 14, 400.0, 406 + window), window, 420 + window, true, 6, Scores::qk_normed, baseline);
 }
 
-int main() { return run_gpu_checks(); }
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

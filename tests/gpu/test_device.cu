@@ -35,4 +35,4 @@ TEST_CASE("cuBLASLt and NCCL load") {
   CHECK(nccl_version >= 22800);
 }
 
-int main() { return run_gpu_checks(); }
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -454,4 +454,4 @@ TEST_CASE("refusals: rows the head cannot take, a loss or backward out of order,
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-int main() { return run_gpu_checks(); }
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -238,4 +238,4 @@ TEST_CASE("adam on a flat slice: fp32 and bf16 (embedding) states, grad scale 1/
   CHECK_REL_ERROR(mb_gpu, mb, kBf16Bound);
 }
 
-int main() { return run_gpu_checks(); }
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -80,4 +80,4 @@ TEST_CASE("the backward is deterministic; evaluation (layers sharing buffers) gi
   CHECK(eval_loss == loss);
 }
 
-int main() { return run_gpu_checks(); }
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -47,4 +47,4 @@ TEST_CASE("muon update: momentum, Nesterov, Newton-Schulz in bf16, shape scale; 
   check_muon(1, 768, 768, 4);   // a record matrix (the CPU reference's NS5 at 3072 x 768 takes minutes)
 }
 
-int main() { return run_gpu_checks(); }
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -151,4 +151,4 @@ TEST_CASE("add_into: dst += src") {
   CHECK_REL_ERROR(out, ref, kBf16Bound);
 }
 
-int main() { return run_gpu_checks(); }
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -191,4 +191,4 @@ TEST_CASE("resuming from a checkpoint gives bitwise the run that did not stop") 
   std::filesystem::remove_all(dir);
 }
 
-int main() { return run_gpu_checks(); }
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

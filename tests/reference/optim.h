@@ -66,12 +66,8 @@ inline void newton_schulz5(std::vector<double>& X, int rows, int cols, const Muo
     ref::matmul_nt(x.data(), x.data(), A.data(), r, k, r);          // A = X X^T (symmetric)
     ref::matmul_nt(A.data(), A.data(), B.data(), r, r, r);          // A A^T = A^2
     for (size_t i = 0; i < B.size(); ++i) B[i] = cfg.b * A[i] + cfg.c * B[i];
-    for (int i = 0; i < r; ++i)
-      for (int j = 0; j < k; ++j) {
-        double acc = 0;
-        for (int l = 0; l < r; ++l) acc += B[size_t(i) * r + l] * x[size_t(l) * k + j];
-        next[size_t(i) * k + j] = cfg.a * x[size_t(i) * k + j] + acc;
-      }
+    ref::matmul_nn(B.data(), x.data(), next.data(), r, r, k);       // (bA + cA^2) X
+    for (size_t i = 0; i < next.size(); ++i) next[i] = cfg.a * x[i] + next[i];
     x.swap(next);
   }
   for (int i = 0; i < rows; ++i)
