@@ -7,8 +7,48 @@
 # bundled sample in data/sample/, with a warning and smoke-run settings; neither when the flags
 # name the training shards (--train-files). Extra flags are passed on and override those:
 # ./run.sh --num-iterations 100
+# Relative paths in the flags that take one (--train-files, --val-files, --checkpoint-dir,
+# --log-dir) are from the caller's directory; the trainer runs in the repository, so the default
+# logs/ and checkpoints/ are there. A rank that fails stops the others (SIGTERM, then SIGKILL after
+# SPEEDRUN_STOP_GRACE seconds, 5 by default) and is named, with the end of its output.
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")"
+
+if [[ -n ${NPROC:-} ]] && ! [[ $NPROC =~ ^[0-9]{1,4}$ && 10#$NPROC -ge 1 ]]; then
+  echo "error: NPROC='$NPROC' is not a number of processes (a positive integer: one process per GPU)" >&2
+  exit 2
+fi
+grace=${SPEEDRUN_STOP_GRACE:-5}
+if ! [[ $grace =~ ^[0-9]{1,4}$ ]]; then
+  echo "error: SPEEDRUN_STOP_GRACE='$grace' is not a whole number of seconds" >&2
+  exit 2
+fi
+
+# A path flag's value, absolute from the caller's directory; in a glob (--train-files,
+# --val-files) the directory's own *?[\ are escaped, so that the trainer's glob() takes them literally.
+from_caller() {  # flag value
+  local flag=$1 value=$2 dir=$caller
+  if [[ -z $value || $value == /* ]]; then printf '%s' "$value"; return; fi
+  [[ $flag == --train-files || $flag == --val-files ]] && dir=$(sed 's/[][*?\\]/\\&/g' <<<"$caller")
+  printf '%s/%s' "$dir" "$value"
+}
+flags=() value_of=""
+for arg in "$@"; do
+  if [[ -n $value_of ]]; then
+    flags+=("$(from_caller "$value_of" "$arg")")
+    value_of=""
+    continue
+  fi
+  case $arg in
+    --train-files | --val-files | --checkpoint-dir | --log-dir)
+      flags+=("$arg")
+      value_of=$arg ;;
+    --train-files=* | --val-files=* | --checkpoint-dir=* | --log-dir=*)
+      flags+=("${arg%%=*}=$(from_caller "${arg%%=*}" "${arg#*=}")") ;;
+    *) flags+=("$arg") ;;
+  esac
+done
 
 trainer=${SPEEDRUN_TRAINER:-./build/train_gpt}  # another command only in the launcher's tests
 if [[ -z ${SPEEDRUN_TRAINER:-} ]]; then
@@ -18,22 +58,26 @@ fi
 
 settings=() data=()
 names_train_files=false
-for arg in "$@"; do [[ $arg == --train-files || $arg == --train-files=* ]] && names_train_files=true; done
+for arg in "${flags[@]}"; do [[ $arg == --train-files || $arg == --train-files=* ]] && names_train_files=true; done
 if $names_train_files; then
   :  # the flags name the data and its settings: nothing added
 elif compgen -G "data/fineweb10B/fineweb_train_*.bin" >/dev/null; then
   data=(--train-files "data/fineweb10B/fineweb_train_*.bin" --val-files "data/fineweb10B/fineweb_val_*.bin")
 else
-  echo "warning: no FineWeb shards in data/fineweb10B/ (python3 data/download_fineweb.py 8 fetches them);" \
-       "using the bundled sample data/sample/ for a 30-step smoke run (not comparable with the record)" >&2
   data=(--train-files "data/sample/sample_train_*.bin" --val-files "data/sample/sample_val_*.bin")
   settings=(--num-iterations 30 --micro-batches 1 --seq-len 16384 --val-tokens 262144 --val-seq-len 65536 --val-every 10)
+  echo "warning: no FineWeb shards in data/fineweb10B/ (python3 data/download_fineweb.py 8 fetches them);" \
+       "using the bundled sample data/sample/ for a smoke run (not comparable with the record): ${settings[*]}" >&2
 fi
-args=("${data[@]}" "${settings[@]}" "$@")
+args=("${data[@]}" "${settings[@]}" "${flags[@]}")
 
 if [[ -n ${RANK:-}${OMPI_COMM_WORLD_RANK:-}${SLURM_PROCID:-} ]]; then exec $trainer "${args[@]}"; fi
-nproc=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
-[[ $nproc =~ ^[0-9]+$ && $nproc -ge 1 ]] || nproc=1
+if [[ -n ${NPROC:-} ]]; then
+  nproc=$((10#$NPROC))
+else
+  nproc=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  ((nproc >= 1)) || nproc=1  # no GPU seen: one process, which says why it cannot train
+fi
 if ((nproc == 1)); then exec $trainer "${args[@]}"; fi
 
 export WORLD_SIZE=$nproc LOCAL_WORLD_SIZE=$nproc MASTER_ADDR=127.0.0.1
@@ -48,15 +92,46 @@ for ((rank = 0; rank < nproc; rank++)); do
   fi
   pids+=($!)
 done
-# Stops the ranks still running.
+
+# Whether a rank is still running.
+any_running() {
+  local pid
+  for pid in "${pids[@]}"; do [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null && return 0; done
+  return 1
+}
+# Stops the ranks still running: SIGTERM, then SIGKILL for those still there after $grace seconds.
 stop_all() {
-  local live=()
-  for pid in "${pids[@]}"; do [[ -n $pid ]] && live+=("$pid"); done
-  ((${#live[@]} == 0)) || { kill "${live[@]}" 2>/dev/null || true; wait "${live[@]}" 2>/dev/null || true; }
+  local rank tick
+  for rank in "${!pids[@]}"; do
+    if [[ -n ${pids[$rank]} ]]; then kill "${pids[$rank]}" 2>/dev/null || true; fi
+  done
+  for ((tick = 0; tick < grace * 10; tick++)); do
+    if ! any_running; then break; fi
+    sleep 0.1
+  done
+  for rank in "${!pids[@]}"; do
+    if [[ -n ${pids[$rank]} ]] && kill -0 "${pids[$rank]}" 2>/dev/null; then
+      echo "error: rank $rank is still running $grace s after SIGTERM: sending SIGKILL" >&2
+      kill -KILL "${pids[$rank]}" 2>/dev/null || true
+    fi
+  done
+  for rank in "${!pids[@]}"; do
+    if [[ -n ${pids[$rank]} ]]; then wait "${pids[$rank]}" 2>/dev/null || true; fi
+  done
 }
 trap 'stop_all; exit 130' INT TERM
 
-# The first rank to fail stops them all (NCCL would otherwise wait for it forever).
+# How a rank ended, from its status: a status above 128 is a signal's (128 + its number).
+how_it_ended() {  # status
+  if (($1 > 128 && $1 <= 128 + 64)); then
+    echo "was killed by SIG$(kill -l $(($1 - 128))) (signal $(($1 - 128)))"
+  else
+    echo "exited with status $1"
+  fi
+}
+
+# The first rank to fail stops them all (NCCL would otherwise wait for it forever). Ranks above 0
+# write to logs/rankR.out: the end of the failed one's is shown here.
 running=$nproc
 while ((running > 0)); do
   sleep 0.2
@@ -68,9 +143,13 @@ while ((running > 0)); do
     pids[$rank]=""
     running=$((running - 1))
     if ((status != 0)); then
-      output="logs/rank$rank.out"
-      ((rank > 0)) || output="above"
-      echo "error: rank $rank exited with status $status (its output: $output); stopping the other ranks" >&2
+      if ((rank == 0)); then
+        echo "error: rank 0 $(how_it_ended "$status") (its output is above); stopping the other ranks" >&2
+      else
+        echo "error: rank $rank $(how_it_ended "$status"); the end of its output (logs/rank$rank.out):" >&2
+        { tail -n 20 "logs/rank$rank.out" | sed 's/^/  | /' >&2; } || true
+        echo "stopping the other ranks" >&2
+      fi
       stop_all
       exit "$status"
     fi

@@ -92,6 +92,25 @@ struct FlagError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The exit statuses: one per kind of failure, so that a script or a launcher tells a bad command
+// line from bad data, a machine without a usable GPU or unusable checkpoints. --help lists them.
+enum ExitStatus : int {
+  kExitRunFailed = 1,   // anything else: a non-finite loss, a CUDA or NCCL error, a failed rendezvous
+  kExitBadFlags = 2,    // FlagError
+  kExitBadData = 3,     // DataError
+  kExitNoUsableGpu = 4, // NoUsableGpu
+  kExitRunFiles = 5,    // RunFilesError
+};
+const std::pair<int, const char*> kExitStatusMeanings[] = {
+    {0, "the run finished"},
+    {kExitRunFailed, "the run failed (a non-finite loss, a CUDA, NCCL or rendezvous error): the message says why"},
+    {kExitBadFlags, "bad flags"},
+    {kExitBadData, "bad data: a glob matching nothing, a damaged shard, a token id >= the vocabulary, too few tokens"},
+    {kExitNoUsableGpu, "no usable GPU: no NVIDIA driver, no GPU, or a GPU that is not Hopper (sm_90)"},
+    {kExitRunFiles, "run files: --checkpoint-dir or --log-dir not writable, or no checkpoint --resume can continue"},
+    {kStalledRankExitCode, "no progress for --stall-timeout seconds (e.g. a peer rank died)"},
+};
+
 struct Flag {
   std::string name;  // without the leading dashes
   std::variant<int*, int64_t*, uint64_t*, double*, std::string*, bool*> field;
@@ -171,6 +190,13 @@ T parse_number(const std::string& flag, const std::string& text) {
   } else {
     r = std::from_chars(text.data(), end, value);
   }
+  if (r.ec == std::errc::result_out_of_range && r.ptr == end) {
+    std::string range = " (beyond a double's range)";
+    if constexpr (!std::is_floating_point_v<T>)
+      range = " (" + std::to_string(std::numeric_limits<T>::min()) + " to " +
+              std::to_string(std::numeric_limits<T>::max()) + ")";
+    throw FlagError("--" + flag + ": '" + text + "' is out of range" + range);
+  }
   if (r.ec != std::errc() || r.ptr != end || text.empty())
     throw FlagError("--" + flag + ": '" + text + "' is not a valid " +
                     (std::is_floating_point_v<T> ? "number" : std::is_signed_v<T> ? "integer" : "non-negative integer"));
@@ -205,18 +231,43 @@ inline std::string usage(const std::string& program) {
     std::snprintf(line, sizeof line, "  --%-22s %s [%s]\n", f.name.c_str(), f.help.c_str(), flag_value_text(f).c_str());
     out << line;
   }
-  out << "  --help                   this text\n";
+  out << "  --help                   this text\n\nexit status:\n";
+  for (const auto& [status, meaning] : kExitStatusMeanings) {
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-3d %s\n", status, meaning);
+    out << line;
+  }
   return out.str();
+}
+
+// A word on the command line that is no flag. A shard's path there is most often a glob that the
+// shell expanded: an unquoted `--train-files data/*.bin` gives the flag the first file and leaves
+// the others here, so the message says to quote the pattern. after_value_of: the flag whose value
+// the word before was ("" if none).
+inline std::string unexpected_argument(const std::string& arg, const std::string& after_value_of) {
+  const std::string message = "unexpected argument '" + arg + "' (flags start with --)";
+  const bool glob_flag_before = after_value_of == "train-files" || after_value_of == "val-files";
+  std::error_code error;
+  const bool shard_like = (arg.size() > 4 && arg.compare(arg.size() - 4, 4, ".bin") == 0) ||
+                          (glob_flag_before && std::filesystem::is_regular_file(arg, error));
+  if (!shard_like) return message;
+  const std::string flag = glob_flag_before ? after_value_of : "train-files";
+  Hyperparameters defaults;
+  return message + ": it looks like a shard, so the shell probably expanded an unquoted glob" +
+         (glob_flag_before ? " after --" + flag : "") + "; quote the pattern, e.g. --" + flag + " '" +
+         (flag == "val-files" ? defaults.val_files : defaults.train_files) + "'";
 }
 
 // Parses argv into h. Throws FlagError naming the flag for unknown flags, missing or malformed
 // values and values outside their range. Returns false when --help was asked.
 inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
   std::vector<Flag> flags = flag_table(h);
+  std::string after_value_of;  // the flag whose value argv[i - 1] was
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") return false;
-    if (arg.rfind("--", 0) != 0) throw FlagError("unexpected argument '" + arg + "' (flags start with --)");
+    if (arg.rfind("--", 0) != 0) throw FlagError(unexpected_argument(arg, after_value_of));
+    after_value_of.clear();
     std::string name = arg.substr(2), value;
     bool inline_value = false;
     if (size_t eq = name.find('='); eq != std::string::npos) {
@@ -234,6 +285,7 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
     if (!inline_value) {
       if (i + 1 >= argc) throw FlagError("--" + name + " needs a value");
       value = argv[++i];
+      after_value_of = name;
     }
     std::visit(
         [&](auto* p) {
@@ -248,6 +300,9 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
   if (h.val_tokens % h.val_seq_len != 0)
     throw FlagError("--val-tokens " + std::to_string(h.val_tokens) + " is not a multiple of --val-seq-len " +
                     std::to_string(h.val_seq_len));
+  if (h.timeline_step > h.num_iterations)
+    throw FlagError("--timeline-step " + std::to_string(h.timeline_step) + " is past the run's last step " +
+                    "(--num-iterations " + std::to_string(h.num_iterations) + "): no trace would be written");
   return true;
 }
 
@@ -363,8 +418,13 @@ class RunLog {
 // with a hash that catches a damaged file, in one file written to a temporary name and renamed, so
 // a crash never leaves a torn checkpoint under the real name. The data position is the step.
 // ------------------------------------------------------------------------------------------------
-struct CheckpointError : std::runtime_error {
+// The files a run writes or resumes from: a folder it cannot write, a checkpoint it cannot continue.
+struct RunFilesError : std::runtime_error {
   using std::runtime_error::runtime_error;
+};
+
+struct CheckpointError : RunFilesError {
+  using RunFilesError::RunFilesError;
 };
 
 struct Checkpoint {
@@ -1606,29 +1666,51 @@ inline double train_step(GPT& model, Activations& acts, Optimizers& optimizers, 
   return take_loss_total(acts, stream);
 }
 
-// Before any GPU work, from the shards' headers: enough training windows for the run, and a
-// validation shard that holds the validation tokens.
+// The batch plan of a data flag's glob (its constructor throws only when the glob matches nothing).
+// A glob left at the flag's default says so: --train-files alone leaves --val-files at FineWeb's.
+inline BatchPlan data_plan(const std::string& flag, const std::string& pattern, int64_t micro_len, int micro_count) {
+  try {
+    return BatchPlan(pattern, micro_len, micro_count, kTokenizerVocab);
+  } catch (const DataError& e) {
+    const Hyperparameters defaults;
+    if (pattern != (flag == "val-files" ? defaults.val_files : defaults.train_files)) throw;
+    throw DataError(std::string(e.what()) + ", the default of --" + flag +
+                    (flag == "val-files" ? ", which --train-files does not change: pass --val-files "
+                                           "'<glob of your validation shards>'"
+                                         : ": fetch FineWeb (python3 data/download_fineweb.py 8) or pass --train-files "
+                                           "'<glob of your training shards>'"));
+  }
+}
+
+// Before any GPU work, from every shard of both globs: headers, sizes and every token id; enough
+// training windows for the run and its warmup, and a first validation shard that holds the
+// validation tokens.
 inline void check_data(const Hyperparameters& h) {
-  const int64_t windows = BatchPlan(h.train_files, h.seq_len, h.micro_batches, kTokenizerVocab).windows_available();
-  const int64_t needed = std::max(h.num_iterations, h.warmup_steps);
+  const BatchPlan train = data_plan("train-files", h.train_files, h.seq_len, h.micro_batches);
+  const int64_t windows = train.windows_available();
+  const bool warmup_longer = h.warmup_steps > h.num_iterations;
+  const int64_t needed = warmup_longer ? h.warmup_steps : h.num_iterations;
   if (windows < needed)
     throw DataError("the files matching '" + h.train_files + "' give " + std::to_string(windows) + " steps of " +
                     std::to_string(h.micro_batches) + " x " + std::to_string(h.seq_len) + " tokens; the run needs " +
-                    std::to_string(needed) + " (fetch more shards, or shorten --num-iterations)");
-  if (h.val_tokens % h.val_seq_len != 0)
-    throw DataError("--val-tokens " + std::to_string(h.val_tokens) + " is not a multiple of --val-seq-len " +
-                    std::to_string(h.val_seq_len));
-  BatchPlan(h.val_files, h.val_seq_len, int(h.val_tokens / h.val_seq_len), kTokenizerVocab).windows_available();
+                    std::to_string(needed) +
+                    (warmup_longer ? " for its --warmup-steps (warmup trains on the first steps' batches): lower "
+                                     "--warmup-steps"
+                                   : " (fetch more shards, or shorten --num-iterations)"));
+  const BatchPlan val = data_plan("val-files", h.val_files, h.val_seq_len, int(h.val_tokens / h.val_seq_len));
+  val.windows_available();
+  train.scan_all_tokens();
+  val.scan_all_tokens();
 }
 
-// A folder the run will write into at the end: created, and a file written and removed, now.
-inline void check_writable(const std::string& dir) {
+// A folder the run will write into: created, and a file written and removed, now.
+inline void check_writable(const std::string& dir, const std::string& what) {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   const std::string probe = dir + "/.write_probe";
   if (error || !std::ofstream(probe) || !std::filesystem::remove(probe, error))
-    throw std::runtime_error(dir + ": cannot write checkpoints there (" + (error ? error.message() : std::strerror(errno)) +
-                             ")");
+    throw RunFilesError(dir + ": cannot write " + what + " there (" + (error ? error.message() : std::strerror(errno)) +
+                        ")");
 }
 
 inline PrefetchLoader training_loader(const Hyperparameters& h, int start_step, int rank, int world_size) {
@@ -1703,8 +1785,53 @@ inline std::unique_ptr<DeviceCommunicator> connect_ranks(const ProcessGroupEnv& 
 }
 
 // With W > 1 every rank keeps its own optimizer shards: rank r's checkpoints go to <dir>/rank<r>.
-inline std::string rank_checkpoint_dir(const Hyperparameters& h, const DeviceCommunicator& comm) {
-  return comm.world_size() == 1 ? h.checkpoint_dir : h.checkpoint_dir + "/rank" + std::to_string(comm.rank());
+inline std::string rank_checkpoint_dir(const Hyperparameters& h, const ProcessGroupEnv& g) {
+  return g.world_size == 1 ? h.checkpoint_dir : h.checkpoint_dir + "/rank" + std::to_string(g.rank);
+}
+
+// Before the GPU: the folders this rank writes into (its checkpoints; the run log on rank 0, the
+// timeline on every rank that writes one).
+inline void check_output_folders(const Hyperparameters& h, const ProcessGroupEnv& g) {
+  check_writable(rank_checkpoint_dir(h, g), "checkpoints");
+  if (g.rank == 0 || h.timeline_step > 0) check_writable(h.log_dir, "the run's logs");
+}
+
+// Throws for a checkpoint this run cannot continue; returns how the settings differ ("" if not).
+inline std::string settings_differences(const Hyperparameters& h, int world_size, const Checkpoint& c,
+                                        const std::string& path) {
+  if (std::filesystem::path(path).filename() != std::filesystem::path(checkpoint_path("", c.step)).filename())
+    throw CheckpointError(path + ": holds step " + std::to_string(c.step) + ", not the step of its name");
+  if (c.step > h.num_iterations)
+    throw CheckpointError(path + ": step " + std::to_string(c.step) + " is past --num-iterations " +
+                          std::to_string(h.num_iterations));
+  const std::vector<uint8_t>& saved = c.blob(kRunFlagsBlob, path);
+  return resume_flag_differences(std::string(saved.begin(), saved.end()), resume_flags(h, world_size));
+}
+
+// The checkpoint --resume continues from: this rank's newest, read whole and verified (its hashes,
+// its step, its settings) before the GPU is touched.
+struct ResumePoint {
+  std::string path;
+  Checkpoint checkpoint;
+  std::string differences;  // the settings that differ from the checkpoint's, with --resume-other-settings
+};
+
+inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h, const ProcessGroupEnv& g) {
+  if (!h.resume) return std::nullopt;
+  try {
+    ResumePoint r;
+    const std::string dir = rank_checkpoint_dir(h, g);
+    r.path = newest_checkpoint(dir);
+    if (r.path.empty()) throw CheckpointError("no checkpoint in " + dir);
+    r.checkpoint = read_checkpoint(r.path);
+    r.differences = settings_differences(h, g.world_size, r.checkpoint, r.path);
+    if (!r.differences.empty() && !h.resume_other_settings)
+      throw CheckpointError(r.path + ": written by a run with other settings: " + r.differences +
+                            " (--resume-other-settings resumes anyway)");
+    return r;
+  } catch (const std::exception& e) {  // filesystem errors too
+    throw CheckpointError(std::string("--resume: ") + e.what());
+  }
 }
 
 // The watchdog of a run (null with --stall-timeout 0): a rank stuck in one phase for the timeout
@@ -1729,7 +1856,7 @@ class TrainingRun {
         eval_(config_, h.val_seq_len, false, memory_),
         val_(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab),
         checksum_(memory_.alloc<unsigned long long>("parameter checksum", 1)),
-        state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, *comm_)) {
+        state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, g)) {
     beat("initialisation");
     check_same_flags(h, *comm_);
     // Every rank initialises from rank 0's seed (52 bits: exact through the double all-reduce).
@@ -1748,10 +1875,9 @@ class TrainingRun {
   TrainingRun(const TrainingRun&) = delete;
   TrainingRun& operator=(const TrainingRun&) = delete;
 
-  int run() {
-    check_writable(checkpoint_dir_);
-    if (h_.warmup_steps > 0) warm_up_and_restore();  // before a resume too: the checkpoint replaces its state
-    if (h_.resume) resume();
+  int run(std::optional<ResumePoint> resume_point) {
+    if (h_.warmup_steps > 0) warm_up(/*restore=*/!resume_point);  // before a resume too
+    if (resume_point) resume(std::move(*resume_point));
     char seed_line[64];
     std::snprintf(seed_line, sizeof seed_line, "seed: %" PRIu64, counters_.seed);
     say(seed_line);
@@ -1778,8 +1904,9 @@ class TrainingRun {
   }
 
  private:
-  // A data error mid-run (a shard's tokens are read when it is reached) saves the state first,
-  // unless the step's checkpoint is written already or nothing was trained since the start.
+  // A data error mid-run (check_data read every shard at the start, but a shard can change or
+  // become unreadable since) saves the state first, unless the step's checkpoint is written
+  // already or nothing was trained since the start.
   const RankBatch& next_batch(PrefetchLoader& loader, int step) {
     try {
       return loader.next();
@@ -1802,56 +1929,35 @@ class TrainingRun {
     if (watchdog_) watchdog_->beat(phase);
   }
 
-  void warm_up_and_restore() {
-    Checkpoint initial = capture_state(state_, 0);
+  // The warmup trains on real data, then the state before it comes back; a resumed run skips that
+  // copy, since the checkpoint (already in host memory) replaces the whole state after.
+  void warm_up(bool restore) {
+    std::optional<Checkpoint> initial;
+    if (restore) initial = capture_state(state_, 0);
     PrefetchLoader loader = training_loader(h_, 0, comm_->rank(), comm_->world_size());
     for (int i = 0; i < h_.warmup_steps; ++i) {
       beat("warmup step " + std::to_string(i));
       int step = std::min(i, h_.num_iterations - 1);
       train_step(model_, train_, optimizers_, loader.next(), step, schedule_, !h_.bf16_head, 0);
     }
-    restore_state(initial, "", state_, model_.params);
+    if (initial) restore_state(*initial, "", state_, model_.params);
   }
 
-  // Every rank decides together: one rank's missing, damaged or mismatched checkpoint, or ranks at
-  // different steps, stop them all (a rank left alone would wait in a collective).
-  void resume() {
+  // Each rank verified its own checkpoint before the GPU (a rank that could not stopped there);
+  // ranks whose newest checkpoints are of different steps stop together here.
+  void resume(ResumePoint point) {
     beat("resume");
-    std::string path, problem, differences;
-    Checkpoint c;
-    try {
-      path = newest_checkpoint(checkpoint_dir_);
-      if (path.empty()) throw CheckpointError("no checkpoint in " + checkpoint_dir_);
-      c = read_checkpoint(path);
-      differences = settings_differences(c, path);
-      if (!differences.empty() && !h_.resume_other_settings)
-        throw CheckpointError(path + ": written by a run with other settings: " + differences +
-                              " (--resume-other-settings resumes anyway)");
-    } catch (const std::exception& e) {  // filesystem errors too: this rank must still vote
-      problem = e.what();
-    }
-    if (comm_->all_reduce_sum(problem.empty() ? 0 : 1) > 0)
-      throw std::runtime_error("--resume: " + (problem.empty() ? "another rank cannot resume (its error says why)" : problem));
-    if (vote_across_ranks(*comm_, c.step).stop)
-      throw std::runtime_error("--resume: the ranks' newest checkpoints are of different steps (rank " +
-                               std::to_string(comm_->rank()) + " has step " + std::to_string(c.step) + ")");
-    restore_state(c, path, state_, model_.params);
-    counters_.step = c.step;
-    last_checkpoint_ = path;
-    say("resumed from " + path + " at step " + std::to_string(c.step) +
-        (differences.empty() ? "" : ", with other settings: " + differences));
+    const int step = point.checkpoint.step;
+    if (vote_across_ranks(*comm_, step).stop)
+      throw CheckpointError("--resume: the ranks' newest checkpoints are of different steps (rank " +
+                            std::to_string(comm_->rank()) + " has step " + std::to_string(step) + ")");
+    restore_state(point.checkpoint, point.path, state_, model_.params);
+    counters_.step = step;
+    last_checkpoint_ = point.path;
+    say("resumed from " + point.path + " at step " + std::to_string(step) +
+        (point.differences.empty() ? "" : ", with other settings: " + point.differences));
   }
 
-  // Throws for a checkpoint this run cannot continue; returns how the settings differ ("" if not).
-  std::string settings_differences(const Checkpoint& c, const std::string& path) const {
-    if (std::filesystem::path(path).filename() != std::filesystem::path(checkpoint_path("", c.step)).filename())
-      throw CheckpointError(path + ": holds step " + std::to_string(c.step) + ", not the step of its name");
-    if (c.step > h_.num_iterations)
-      throw CheckpointError(path + ": step " + std::to_string(c.step) + " is past --num-iterations " +
-                            std::to_string(h_.num_iterations));
-    const std::vector<uint8_t>& saved = c.blob(kRunFlagsBlob, path);
-    return resume_flag_differences(std::string(saved.begin(), saved.end()), run_flags());
-  }
   std::string run_flags() const { return resume_flags(h_, comm_->world_size()); }
 
   void validate_and_log(int step) {
@@ -1927,31 +2033,41 @@ class TrainingRun {
   std::unique_ptr<RunLog> log_;  // rank 0 only
 };
 
+// Everything that can be checked without the GPU is checked first, so that bad input is named
+// before minutes of initialisation (and on machines without a GPU).
 int run_training(const Hyperparameters& h) {
   check_data(h);
   const ProcessGroupEnv g = process_group_from_env();
+  check_output_folders(h, g);
+  std::optional<ResumePoint> resume_point = checkpoint_to_resume(h, g);
   require_hopper_gpu(select_gpu(g.local_rank));
-  return TrainingRun(h, g).run();
+  return TrainingRun(h, g).run(std::move(resume_point));
 }
 
 // ------------------------------------------------------------------------------------------------
 #ifndef TRAIN_GPT_NO_MAIN  // tests include this file for its host and device code
 int main(int argc, char** argv) {
-  Hyperparameters h;
+  auto fail = [](const std::exception& e, ExitStatus status) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return int(status);
+  };
   try {
+    Hyperparameters h;
     if (!parse_flags(argc, argv, h)) {
       std::printf("%s", usage(argv[0]).c_str());
       return 0;
     }
-  } catch (const FlagError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
-  try {
     return run_training(h);
+  } catch (const FlagError& e) {
+    return fail(e, kExitBadFlags);
+  } catch (const DataError& e) {
+    return fail(e, kExitBadData);
+  } catch (const NoUsableGpu& e) {
+    return fail(e, kExitNoUsableGpu);
+  } catch (const RunFilesError& e) {
+    return fail(e, kExitRunFiles);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    return fail(e, kExitRunFailed);
   }
 }
 #endif

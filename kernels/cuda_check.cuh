@@ -5,6 +5,7 @@
 #include <nccl.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -36,19 +37,44 @@
       cuda_fail(ncclGetErrorString(nccl_check_result_), #call, __FILE__, __LINE__);  \
   } while (0)
 
+// No GPU this process can train on: the trainer exits with a status of its own (kExitNoUsableGpu).
+struct NoUsableGpu : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Why cudaGetDeviceCount found no GPU, in plain words, with CUDA's own text after: without a
+// driver CUDA says "CUDA driver version is insufficient for CUDA runtime version".
+inline std::string no_gpu_reason(cudaError_t err) {
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);  // 0 when no driver is installed
+  cudaRuntimeGetVersion(&runtime);
+  auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+  const std::string cuda_says = err == cudaSuccess ? "" : std::string(" (CUDA: ") + cudaGetErrorString(err) + ")";
+  if (driver == 0)
+    return "no NVIDIA driver found, so no GPU can be used here: the trainer needs an NVIDIA GPU (H100 or H200) and "
+           "its driver" + cuda_says;
+  if (err == cudaErrorInsufficientDriver)
+    return "the NVIDIA driver (CUDA " + version(driver) + ") is older than this build's CUDA runtime (" +
+           version(runtime) + "): update the driver" + cuda_says;
+  if (err == cudaSuccess || err == cudaErrorNoDevice) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    return "no NVIDIA GPU found: the driver (CUDA " + version(driver) + ") sees none" +
+           (visible ? std::string(" with CUDA_VISIBLE_DEVICES='") + visible + "'" : std::string()) + cuda_says;
+  }
+  return "no CUDA GPU is usable here" + cuda_says;
+}
+
 // Makes this process's GPU current and returns it: GPU `local_rank`, or the only GPU the process
 // sees where the launcher gives each process one (Slurm's --gpus-per-task=1, a per-rank
 // CUDA_VISIBLE_DEVICES).
 inline int select_gpu(int local_rank) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess || count == 0)
-    throw std::runtime_error(std::string("no CUDA GPU is usable here (") +
-                             (err != cudaSuccess ? cudaGetErrorString(err) : "none found") + ")");
+  if (err != cudaSuccess || count == 0) throw NoUsableGpu(no_gpu_reason(err));
   const int device = count == 1 ? 0 : local_rank;
   if (device < 0 || device >= count)
-    throw std::runtime_error("local rank " + std::to_string(local_rank) + " needs GPU " + std::to_string(device) +
-                             ", but this process sees " + std::to_string(count) + " GPUs (LOCAL_RANK too high?)");
+    throw NoUsableGpu("local rank " + std::to_string(local_rank) + " needs GPU " + std::to_string(device) +
+                      ", but this process sees " + std::to_string(count) + " GPUs (LOCAL_RANK too high?)");
   CUDA_CHECK(cudaSetDevice(device));
   return device;
 }
@@ -58,8 +84,7 @@ inline void require_hopper_gpu(int device) {
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   if (prop.major != 9 || prop.minor != 0)
-    throw std::runtime_error("unsupported GPU '" + std::string(prop.name) + "' (compute capability " +
-                             std::to_string(prop.major) + "." + std::to_string(prop.minor) +
-                             "): this build targets sm_90a (H100/H200); rebuild with "
-                             "-DSPEEDRUN_CUDA_GENCODE for another GPU");
+    throw NoUsableGpu("unsupported GPU '" + std::string(prop.name) + "' (compute capability " +
+                      std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+                      "): this build targets sm_90a (H100/H200); rebuild with -DSPEEDRUN_CUDA_GENCODE for another GPU");
 }

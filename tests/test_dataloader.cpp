@@ -134,6 +134,23 @@ TEST_CASE("windows available from the headers: every shard checked, none read") 
   CHECK_THROWS_WITH(read_shard(temp_dir(), kTokenizerVocab), "cannot read");  // a directory
 }
 
+TEST_CASE("the start-up scan: every token of every shard of a glob, across its read chunks") {
+  write_shard("scan_0.bin", counting_tokens(1000, 0));
+  std::vector<uint16_t> later = counting_tokens((size_t(1) << 21) + 100, 0);  // more than one 4 MiB chunk
+  write_shard("scan_1.bin", later);
+  BatchPlan plan(temp_dir() + "/scan_*.bin", 8, 4, kTokenizerVocab);
+  plan.scan_all_tokens();
+  later[(size_t(1) << 21) + 7] = 50257;  // in the second chunk, of the second shard
+  write_shard("scan_1.bin", later);
+  CHECK_THROWS_WITH(plan.scan_all_tokens(), "scan_1.bin", "token id 50257 at position 2097159", "vocab size 50257");
+  CHECK_THROWS_WITH(read_shard(temp_dir() + "/scan_1.bin", kTokenizerVocab), "token id 50257 at position 2097159");
+  later[3] = 65535;  // the first bad id is named
+  write_shard("scan_1.bin", later);
+  CHECK_THROWS_WITH(scan_shard(temp_dir() + "/scan_1.bin", kTokenizerVocab), "token id 65535 at position 3 ");
+  write_shard("scan_1.bin", counting_tokens(100, 0), kShardMagic, kShardVersion, 120);  // and the sizes
+  CHECK_THROWS_WITH(plan.scan_all_tokens(), "scan_1.bin", "does not match the header's token count 120");
+}
+
 TEST_CASE("ranks partition the micro-sequences: j goes to rank j mod W") {
   for (int W : {1, 2, 3, 5, 8}) {
     std::multiset<int> seen;

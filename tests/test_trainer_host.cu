@@ -76,6 +76,28 @@ TEST_CASE("bad flags are errors that name the flag") {
   CHECK_THROWS_WITH(parse_only({"--resume=yes"}), "--resume takes no value");
   CHECK_THROWS_WITH(parse_only({"860"}), "unexpected argument '860'");
   CHECK_THROWS_WITH(parse_only({"--val-tokens", "1000000"}), "is not a multiple of --val-seq-len");
+  CHECK_THROWS_WITH(parse_only({"--num-iterations", "99999999999"}),
+                    "--num-iterations: '99999999999' is out of range (-2147483648 to 2147483647)");
+  CHECK_THROWS_WITH(parse_only({"--seed", "18446744073709551616"}), "out of range (0 to 18446744073709551615)");
+  CHECK_THROWS_WITH(parse_only({"--adam-eps", "1e400"}), "--adam-eps: '1e400' is out of range");
+  CHECK_THROWS_WITH(parse_only({"--timeline-step", "11", "--num-iterations", "10"}),
+                    "--timeline-step 11 is past the run's last step (--num-iterations 10)");
+  parse_only({"--timeline-step", "10", "--num-iterations", "10"});
+}
+
+TEST_CASE("a shard path where a flag should be: the shell expanded a glob, so quote it") {
+  // --train-files data/sample/*.bin, unquoted: the flag takes the first file, the next is left over.
+  CHECK_THROWS_WITH(parse_only({"--val-files", "data/sample/sample_train_000001.bin", "README.md"}),
+                    "unexpected argument 'README.md'", "unquoted glob after --val-files",
+                    "quote the pattern, e.g. --val-files 'data/fineweb10B/fineweb_val_*.bin'");
+  CHECK_THROWS_WITH(parse_only({"a/shard_001.bin"}), "unexpected argument 'a/shard_001.bin'", "unquoted glob;",
+                    "--train-files 'data/fineweb10B/fineweb_train_*.bin'");
+  CHECK_THROWS_WITH(parse_only({"--seed", "5", "README.md"}), "unexpected argument 'README.md' (flags start with --)");
+  try {
+    parse_only({"--seed", "5", "README.md"});
+  } catch (const FlagError& e) {
+    CHECK(std::string(e.what()).find("glob") == std::string::npos);  // not after a glob flag, not a .bin
+  }
 }
 
 TEST_CASE("--help lists every flag with its default") {
@@ -85,6 +107,7 @@ TEST_CASE("--help lists every flag with its default") {
   std::string text = usage("train_gpt");
   for (const Flag& f : flag_table(h)) CHECK(text.find("--" + f.name + " ") != std::string::npos);
   CHECK(text.find("[1770]") != std::string::npos && text.find("[0.008]") != std::string::npos);
+  for (int status : {0, 1, 2, 3, 4, 5, 75}) CHECK(text.find("\n  " + std::to_string(status) + " ") != std::string::npos);
 }
 
 TEST_CASE("step lines are byte-equal to the reference's (shared/reference/record25_692f80e0_steps.txt)") {
@@ -163,9 +186,40 @@ TEST_CASE("the newest checkpoint is the highest step number; other names are ign
 
 TEST_CASE("the checkpoint folder is created and tried at the start; an unwritable one is named") {
   std::string dir = temp_dir("writable") + "/a/b";
-  check_writable(dir);
+  check_writable(dir, "checkpoints");
   CHECK(std::filesystem::is_directory(dir) && std::filesystem::is_empty(dir));
-  CHECK_THROWS_WITH(check_writable("/proc/no_such_folder"), "/proc/no_such_folder: cannot write checkpoints there");
+  CHECK_THROWS_WITH(check_writable("/proc/no_such_folder", "checkpoints"),
+                    "/proc/no_such_folder: cannot write checkpoints there");
+}
+
+TEST_CASE("--resume reads and verifies this rank's newest checkpoint (before the GPU)") {
+  Hyperparameters h;
+  h.resume = true;
+  h.checkpoint_dir = temp_dir("resume_point");
+  const ProcessGroupEnv alone;
+  ProcessGroupEnv second_of_two;
+  second_of_two.rank = 1, second_of_two.world_size = 2;
+  const std::string none = "--resume: no checkpoint in " + h.checkpoint_dir;
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone), none.c_str());
+  Checkpoint c;
+  c.step = 7;
+  const std::string flags = resume_flags(h, 1);
+  c.blobs = {{"params", {1, 2, 3}}, {kRunFlagsBlob, std::vector<uint8_t>(flags.begin(), flags.end())}};
+  write_checkpoint(h.checkpoint_dir, c);
+  std::optional<ResumePoint> point = checkpoint_to_resume(h, alone);
+  CHECK(point && point->checkpoint.blobs == c.blobs && point->differences.empty() &&
+        point->path == checkpoint_path(h.checkpoint_dir, 7));
+  const std::string rank1 = none + "/rank1";  // W > 1: each rank's own folder
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, second_of_two), rank1.c_str());
+  h.seq_len = 16384;
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone), "written by a run with other settings: --seq-len was 49152, is 16384",
+                    "--resume-other-settings resumes anyway");
+  h.resume_other_settings = true;
+  CHECK(checkpoint_to_resume(h, alone)->differences == "--seq-len was 49152, is 16384");
+  h.num_iterations = 5;
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone), "step_000007.ckpt: step 7 is past --num-iterations 5");
+  h.resume = false;
+  CHECK(!checkpoint_to_resume(h, alone));
 }
 
 TEST_CASE("a resumed run must have the checkpoint's training settings; each difference is named") {

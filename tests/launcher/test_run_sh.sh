@@ -1,33 +1,113 @@
 #!/usr/bin/env bash
-# run.sh's launcher without a GPU: NPROC processes with torchrun's variables, all finishing; and
-# one rank failing stops the others at once, with the rank named and its status returned.
+# run.sh's launcher without a GPU, with stand-in ranks (fake_rank.sh), one case per call:
+#   launcher                      NPROC processes with torchrun's variables, all finishing; one rank
+#                                 failing stops the others at once, named, its status returned; shards
+#                                 named on the command line get no sample settings
+#   refuses_bad_nproc             NPROC=abc, NPROC=0 and a bad SPEEDRUN_STOP_GRACE are refused
+#                                 (status 2), nothing started
+#   names_killing_signal          a rank killed by SIGKILL is named with its signal (status 137)
+#   kills_ranks_ignoring_sigterm  a rank that ignores SIGTERM gets SIGKILL after SPEEDRUN_STOP_GRACE
+#   shows_failed_rank_output      a failed rank above 0 has the end of its output on the console
+#   paths_from_caller             relative paths in the path flags are from the caller's directory
+#   sample_settings               the sample fallback's settings are in its warning and its README
+# Usage: test_run_sh.sh CASE
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-fake=tests/launcher/fake_rank.sh
-out=$(NPROC=3 RUN_SECONDS=0.2 SPEEDRUN_TRAINER=$fake ./run.sh --seed 7 2>&1)
-rc=$?
-echo "$out"
-[[ $rc == 0 ]] || { echo "FAILED: run.sh exited $rc with 3 healthy ranks"; exit 1; }
-grep -q "rank 0 of 3 (local 0 of 3) master 127.0.0.1:" <<<"$out" || { echo "FAILED: rank 0's environment"; exit 1; }
-grep -q "rank 2 of 3" logs/rank2.out || { echo "FAILED: rank 2's output is not in logs/rank2.out"; exit 1; }
-grep -q -- "--seed 7" logs/rank1.out || { echo "FAILED: flags are not passed on"; exit 1; }
+repo=$PWD
+fake=$repo/tests/launcher/fake_rank.sh
+fail() { echo "FAILED: $*"; exit 1; }
+# A command with stand-in ranks, VAR=value words first: its output in $out, its status in $rc.
+launch() {
+  out=$(env SPEEDRUN_TRAINER="$fake" "$@" 2>&1)
+  rc=$?
+  echo "$out"
+}
+# The last launch exited with STATUS and printed a line that matches MESSAGE (a grep pattern).
+expect() {
+  [[ $rc == "$1" ]] || fail "exit status $rc, expected $1"
+  grep -q -- "$2" <<<"$out" || fail "no line matches: $2"
+}
+# One process, as a launcher would start it: its flags are on its output line.
+one_rank() { launch RUN_SECONDS=0 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 "$@"; }
 
-start=$SECONDS
-out=$(NPROC=4 FAIL_RANK=2 SPEEDRUN_TRAINER=$fake ./run.sh 2>&1)
-rc=$?
-echo "$out"
-[[ $rc == 3 ]] || { echo "FAILED: run.sh returned $rc, not the failed rank's status 3"; exit 1; }
-grep -q "error: rank 2 exited with status 3 (its output: logs/rank2.out); stopping the other ranks" <<<"$out" ||
-  { echo "FAILED: the failed rank is not named"; exit 1; }
-((SECONDS - start < 20)) || { echo "FAILED: the other ranks were not stopped"; exit 1; }
+launcher() {
+  launch NPROC=3 RUN_SECONDS=0.2 ./run.sh --seed 7
+  expect 0 "rank 0 of 3 (local 0 of 3) master 127.0.0.1:"
+  grep -q "rank 2 of 3" logs/rank2.out || fail "rank 2's output is not in logs/rank2.out"
+  grep -q -- "--seed 7" logs/rank1.out || fail "flags are not passed on"
 
-# Shards named on the command line: no sample fallback, no smoke-run settings (one rank: the flags
-# are on its output line).
-out=$(NPROC=1 RUN_SECONDS=0 SPEEDRUN_TRAINER=$fake RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=1 ./run.sh --train-files "/data/train_*.bin" --val-files "/data/val_*.bin" 2>&1)
-echo "$out"
-grep -q -- "args: --train-files /data/train_\*.bin --val-files /data/val_\*.bin$" <<<"$out" ||
-  { echo "FAILED: run.sh added data or settings to the shards the flags name"; exit 1; }
-grep -q "warning" <<<"$out" && { echo "FAILED: a sample warning with the shards named"; exit 1; }
+  start=$SECONDS
+  launch NPROC=4 FAIL_RANK=2 ./run.sh
+  expect 3 "^error: rank 2 exited with status 3; the end of its output (logs/rank2.out):"
+  grep -q "^stopping the other ranks" <<<"$out" || fail "the other ranks are not said to be stopped"
+  ((SECONDS - start < 20)) || fail "the other ranks were not stopped"
+
+  one_rank ./run.sh --train-files "/data/train_*.bin" --val-files "/data/val_*.bin"
+  expect 0 "args: --train-files /data/train_\*.bin --val-files /data/val_\*.bin$"
+  grep -q "warning" <<<"$out" && fail "a sample warning with the shards named"
+}
+
+refuses_bad_nproc() {
+  rm -f logs/rank[0-9]*.out
+  for nproc in abc 0 -1 2x; do
+    launch NPROC=$nproc ./run.sh
+    expect 2 "^error: NPROC='$nproc' is not a number of processes (a positive integer: one process per GPU)$"
+    grep -q "rank 0 of" <<<"$out" && fail "NPROC=$nproc started a rank"
+  done
+  launch NPROC=2 SPEEDRUN_STOP_GRACE=soon ./run.sh
+  expect 2 "^error: SPEEDRUN_STOP_GRACE='soon' is not a whole number of seconds$"
+}
+
+names_killing_signal() {
+  launch NPROC=2 KILL_RANK=1 ./run.sh
+  expect 137 "^error: rank 1 was killed by SIGKILL (signal 9); the end of its output (logs/rank1.out):"
+}
+
+kills_ranks_ignoring_sigterm() {
+  start=$SECONDS
+  launch NPROC=3 FAIL_RANK=2 IGNORE_TERM_RANK=1 SPEEDRUN_STOP_GRACE=1 ./run.sh
+  expect 3 "^error: rank 1 is still running 1 s after SIGTERM: sending SIGKILL$"
+  grep -q "^error: rank 0 is still running" <<<"$out" && fail "rank 0 stopped on SIGTERM, yet got SIGKILL"
+  ((SECONDS - start < 20)) || fail "run.sh waited for the rank that ignores SIGTERM"
+  pid=$(sed -n 's/.* pid \([0-9]*\) args:.*/\1/p' logs/rank1.out)
+  [[ -n $pid ]] || fail "no pid in logs/rank1.out"
+  kill -0 "$pid" 2>/dev/null && { kill -KILL "$pid"; fail "rank 1 (pid $pid) is still running"; }
+  return 0
+}
+
+shows_failed_rank_output() {
+  launch NPROC=2 FAIL_RANK=1 ./run.sh
+  expect 3 "^  | error: rank 1's stand-in failure$"
+}
+
+paths_from_caller() {
+  caller=$(mktemp -d)/'odd[1]'  # glob characters in the caller's directory are taken literally
+  mkdir -p "$caller"
+  cd "$caller"
+  one_rank "$repo/run.sh" --train-files "mydata/train_*.bin" --val-files=mydata/val.bin --checkpoint-dir ck \
+    --log-dir=/abs/logs --seed 5
+  cd "$repo"
+  rm -rf "$(dirname "$caller")"
+  escaped=${caller//[/\\[}
+  escaped=${escaped//]/\\]}
+  expected="args: --train-files $escaped/mydata/train_*.bin --val-files=$escaped/mydata/val.bin --checkpoint-dir $caller/ck --log-dir=/abs/logs --seed 5"
+  [[ $rc == 0 ]] && grep -qF -- "$expected" <<<"$out" || fail "expected '$expected'"
+}
+
+sample_settings() {
+  if compgen -G "data/fineweb10B/fineweb_train_*.bin" >/dev/null; then
+    echo "FineWeb shards present: run.sh does not fall back to the sample here (nothing to check)"
+    return 0
+  fi
+  one_rank ./run.sh
+  settings=$(sed -n 's/^warning: .*using the bundled sample .*: \(--.*\)$/\1/p' <<<"$out")
+  [[ -n $settings ]] || fail "the warning does not state the settings"
+  grep -q -- "args: .* $settings$" <<<"$out" || fail "the warning's settings are not the ones passed on"
+  grep -qF -- "$settings" data/sample/README.md || fail "data/sample/README.md does not state '$settings'"
+}
+
+case=${1:?usage: test_run_sh.sh CASE}
+declare -F "$case" >/dev/null || fail "no case '$case'"
+"$case"
 rm -f logs/rank[0-9]*.out
-echo "launcher test passed"
+echo "run.sh case $case passed"
