@@ -21,6 +21,7 @@
 #include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/schedules.h"
+#include "kernels/self_check.cuh"
 #include "kernels/sharding.h"
 #include "kernels/timeline.cuh"
 #include "kernels/watchdog.h"
@@ -28,6 +29,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -80,6 +82,13 @@ struct Hyperparameters {
   std::string log_dir = "logs";
   bool bf16_head = false;           // train with a bf16 lm_head instead of the FP8 one of SPEC 1.5
   std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
+  // fast paths (kernels/self_check.cuh): each may be replaced by its simple reference
+  std::string attention = "flash";     // flash or reference
+  std::string fp8_gradient = "fused";  // fused or cast
+  std::string muon = "batched";        // batched or per-matrix
+  std::string residual_add = "fused";  // fused or separate
+  std::string self_check = "fallback"; // fallback, strict or off
+  bool self_check_only = false;        // run the self-check and exit
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
   int stall_timeout = 600;          // seconds without progress after which a rank exits (0: never)
   bool nccl_single_rank = false;    // one rank through NCCL anyway (to measure what NCCL costs)
@@ -100,6 +109,7 @@ enum ExitStatus : int {
   kExitBadData = 3,     // DataError
   kExitNoUsableGpu = 4, // NoUsableGpu
   kExitRunFiles = 5,    // RunFilesError
+  kExitSelfCheckFailed = 6,  // SelfCheckFailed
 };
 const std::pair<int, const char*> kExitStatusMeanings[] = {
     {0, "the run finished"},
@@ -108,6 +118,7 @@ const std::pair<int, const char*> kExitStatusMeanings[] = {
     {kExitBadData, "bad data: a glob matching nothing, a damaged shard, a token id >= the vocabulary, too few tokens"},
     {kExitNoUsableGpu, "no usable GPU: no NVIDIA driver, no GPU, or a GPU that is not Hopper (sm_90)"},
     {kExitRunFiles, "run files: --checkpoint-dir or --log-dir not writable, or no checkpoint --resume can continue"},
+    {kExitSelfCheckFailed, "--self-check strict (or --self-check-only): a fast path failed its start-up self-check"},
     {kStalledRankExitCode, "no progress for --stall-timeout seconds (e.g. a peer rank died)"},
 };
 
@@ -123,6 +134,9 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
   auto positive = [](auto* v) { return [v] { return *v > 0; }; };
   auto non_negative = [](auto* v) { return [v] { return *v >= 0; }; };
   auto fraction = [](double* v) { return [v] { return *v > 0 && *v < 1; }; };
+  auto one_of = [](std::string* v, std::vector<std::string> options) {
+    return [v, options] { return std::find(options.begin(), options.end(), *v) != options.end(); };
+  };
   return {
       {"train-files", &h.train_files, "glob of the training shards", nullptr, ""},
       {"val-files", &h.val_files, "glob of the validation shards", nullptr, ""},
@@ -162,8 +176,21 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"log-dir", &h.log_dir, "folder of the run logs", nullptr, ""},
       {"bf16-head", &h.bf16_head, "train with a bf16 lm_head instead of the FP8 one (SPEC 1.5)", nullptr, ""},
       {"grad-comm", &h.grad_comm, "gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc",
-       [&h] { return h.grad_comm == "fp32-rs" || h.grad_comm == "bf16-rs" || h.grad_comm == "a2a-fp32acc"; },
-       "one of fp32-rs, bf16-rs, a2a-fp32acc"},
+       one_of(&h.grad_comm, {"fp32-rs", "bf16-rs", "a2a-fp32acc"}), "one of fp32-rs, bf16-rs, a2a-fp32acc"},
+      {"attention", &h.attention, "attention kernels: flash (wgmma) or reference (warp per row; slower)",
+       one_of(&h.attention, {"flash", "reference"}), "flash or reference"},
+      {"fp8-gradient", &h.fp8_gradient,
+       "FP8 head's gradient: fused (the cross-entropy writes e5m2) or cast (bf16, then a cast)",
+       one_of(&h.fp8_gradient, {"fused", "cast"}), "fused or cast"},
+      {"muon", &h.muon, "Newton-Schulz: batched (strided cuBLASLt batches) or per-matrix",
+       one_of(&h.muon, {"batched", "per-matrix"}), "batched or per-matrix"},
+      {"residual-add", &h.residual_add, "residual adds: fused (cuBLASLt's C) or separate (a matmul, then an add)",
+       one_of(&h.residual_add, {"fused", "separate"}), "fused or separate"},
+      {"self-check", &h.self_check,
+       "check the fast paths at start-up: fallback (a failing one's reference), strict (exit 6), off",
+       one_of(&h.self_check, {"fallback", "strict", "off"}), "fallback, strict or off"},
+      {"self-check-only", &h.self_check_only, "run the self-check on this GPU, print it and exit (6: a check failed)",
+       nullptr, ""},
       {"timeline-step", &h.timeline_step,
        "write that step's GPU schedule to <log-dir>/timeline_rank<r>_step<N>.json (0: none)",
        non_negative(&h.timeline_step), "non-negative"},
@@ -959,6 +986,10 @@ class GPT {
   // Spans of the forward, head and each block's backward go to this timeline (null: none).
   void set_timeline(Timeline* timeline) { timeline_ = timeline; }
 
+  // The implementations of attention, the residual adds and the FP8 head's gradient (the FP8 head
+  // itself is step's fp8_head): the fast ones unless a flag or the self-check replaced them.
+  void set_paths(const KernelPaths& paths) { paths_ = paths; }
+
   ParameterStore params;
 
  private:
@@ -974,9 +1005,8 @@ class GPT {
   }
   // y[T, n] = x[T, k] W[n, k]^T (+ residual[T, n]), bf16 out
   void linear(const bf16* x, const bf16* w, bf16* y, int n, int k, const bf16* residual = nullptr) {
-    MatmulOptions o;
-    o.addend = residual;
-    matmul_(x, Transpose::N, w, Transpose::T, y, T_, n, k, CUDA_R_16BF, o, stream_, 1.0f, residual ? 1.0f : 0.0f);
+    if (residual) linear_with_residual(matmul_, x, w, y, T_, n, k, residual, paths_.fused_residual_add, stream_);
+    else matmul_(x, Transpose::N, w, Transpose::T, y, T_, n, k, CUDA_R_16BF, stream_);
   }
   // For y = x W^T: dx[T, k] = dy[T, n] W[n, k] and dW[n, k] += dy^T x (fp32)
   void linear_backward(const bf16* x, const bf16* w, const bf16* dy, bf16* dx, float* dw, int n, int k) {
@@ -1016,7 +1046,8 @@ class GPT {
     weighted_sum_forward(l.qkv + 2 * d, scalar(c_.sa_lambda_index(i, 0)),
                          table >= 0 ? a_->value_embedded[table] : nullptr, scalar(c_.sa_lambda_index(i, 1)), l.v, T_,
                          d, 3 * d, stream_);
-    flash_attention_forward(l.q, l.k, l.v, l.y, l.lse, attention_shape(), mask(plan, i), stream_);
+    auto forward = paths_.flash_attention ? flash_attention_forward : attention_forward;
+    forward(l.q, l.k, l.v, l.y, l.lse, attention_shape(), mask(plan, i), stream_);
     linear(l.y, params.weight(ParamKind::attn_proj, i), l.x_mid, d, d, /*residual=*/l.x_mixed);
   }
 
@@ -1039,7 +1070,10 @@ class GPT {
     Fp8Head* fp8 = backward && fp8_head ? a.fp8_head.get() : nullptr;
     if (backward && fp8_head && !fp8) throw std::logic_error("FP8 head asked of activations built without it");
     const Param& head_param = params.find(ParamKind::lm_head, -1);
-    if (fp8) fp8->quantize_weight(params.master + head_param.offset, stream_);
+    if (fp8) {
+      fp8->set_fused_gradient(paths_.fused_e5m2_gradient);
+      fp8->quantize_weight(params.master + head_param.offset, stream_);
+    }
     const bf16* w = params.weights + head_param.offset;
     float* dw = params.grads + head_param.offset;
     for (int r0 = 0; r0 < T_; r0 += kHeadChunkRows) {
@@ -1108,8 +1142,8 @@ class GPT {
     LayerActivations& l = a.layers[i];
     const int d = c_.model_dim;
     linear_backward(l.y, params.weight(ParamKind::attn_proj, i), a.dx, a.dy, params.grad(ParamKind::attn_proj, i), d, d);
-    flash_attention_backward(l.q, l.k, l.v, l.y, a.dy, l.lse, a.delta, a.dq, a.dk, a.dv, attention_shape(),
-                             mask(plan, i), stream_);
+    auto backward = paths_.flash_attention ? flash_attention_backward : attention_backward;
+    backward(l.q, l.k, l.v, l.y, a.dy, l.lse, a.delta, a.dq, a.dk, a.dv, attention_shape(), mask(plan, i), stream_);
     // v = sa0 v_raw + sa1 ve: dv_raw goes into the v third of dqkv; the ve table gets sa1 dv
     int table = c_.value_embed[i], s0 = c_.sa_lambda_index(i, 0), s1 = c_.sa_lambda_index(i, 1);
     const bf16* ve = table >= 0 ? a.value_embedded[table] : nullptr;
@@ -1122,6 +1156,7 @@ class GPT {
   }
 
   Matmul matmul_;
+  KernelPaths paths_;
   Activations* a_ = nullptr;
   int T_ = 0;
   cudaStream_t stream_ = nullptr;
@@ -1307,6 +1342,10 @@ class Optimizers {
   // Spans of every reduction, update and gather go to this timeline (null: none).
   void set_timeline(Timeline* timeline) { timeline_ = timeline; }
 
+  // Newton-Schulz over strided cuBLASLt batches (--muon batched) or one matrix at a time; the
+  // self-check may replace the first by the second.
+  void set_batched_muon(bool batched) { batched_muon_ = batched; }
+
   // This rank's optimizer state, in plan order (Adam slices, then owned Muon matrices).
   std::vector<StateBuffer> state_buffers() {
     std::vector<StateBuffer> state;
@@ -1451,7 +1490,7 @@ class Optimizers {
         mine.push_back({p + k * n, c.grad + k * n, static_cast<float*>(c.state_m) + k * n});
     }
     MuonStep s{float(h_.muon_lr * schedule_.lr_factor(step)), float(schedule_.muon_momentum(step)), grad_scale};
-    muon_update(mine, rows, cols, s, muon_workspace_, matmul_, stream);
+    (batched_muon_ ? muon_update : muon_update_each)(mine, rows, cols, s, muon_workspace_, matmul_, stream);
   }
 
   void adam_update_share(const Collective& c, int step, float grad_scale, cudaStream_t stream) {
@@ -1499,6 +1538,7 @@ class Optimizers {
   GradComm grad_comm_;
   ShardPlan plan_;
   MuonWorkspace muon_workspace_;
+  bool batched_muon_ = h_.muon == "batched";
   std::vector<std::vector<size_t>> group_members_;  // [Muon group] its collectives, in launch order
   Matmul matmul_;
   std::vector<Collective> collectives_;  // Adam parameters, then Muon chunks, in plan order
@@ -1845,6 +1885,107 @@ inline std::unique_ptr<ProgressWatchdog> start_watchdog(const Hyperparameters& h
   return watchdog;
 }
 
+// ------------------------------------------------------------------------------------------------
+// The start-up self-check (kernels/self_check.cuh): every fast path against its reference on this
+// GPU before the warmup; a path that fails on any rank is replaced by its reference on every rank
+// (--self-check fallback) or stops the run (strict). The lines go to the console and rank 0's log.
+// ------------------------------------------------------------------------------------------------
+struct SelfCheckFailed : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The paths the flags select.
+inline KernelPaths paths_of(const Hyperparameters& h) {
+  KernelPaths p;
+  p.flash_attention = h.attention == "flash";
+  p.fp8_head = !h.bf16_head;
+  p.fused_e5m2_gradient = h.fp8_gradient == "fused";
+  p.batched_muon = h.muon == "batched";
+  p.fused_residual_add = h.residual_add == "fused";
+  return p;
+}
+
+// The self-check's problems at the model's width, heads and vocabulary.
+inline SelfCheckShape self_check_shape(const GPTConfig& c) { return {c.model_dim, c.num_heads, c.vocab_size}; }
+
+// The attention problems' documents: the validation data's first tokens (real documents) where
+// there are enough, else about six documents of random lengths, which cross block edges.
+inline std::vector<uint16_t> self_check_layout(const ValidationPlan* val, int T, uint16_t bos) {
+  if (val && val->num_sequences() * val->seq_len() >= T)
+    return std::vector<uint16_t>(val->sequence(0), val->sequence(0) + T);
+  std::mt19937_64 rng(7);
+  std::vector<uint16_t> tokens(T);
+  for (int t = 0; t < T; ++t) tokens[t] = t == 0 || rng() % (T / 6) == 0 ? bos : uint16_t(rng() % bos);
+  return tokens;
+}
+
+struct SelfCheckOutcome {
+  KernelPaths paths;                // what the run uses
+  std::vector<std::string> lines;   // every result, the summary, a line per fallback
+  bool failed_here = false;         // a check of this rank failed
+  std::string failed_paths;         // the paths that failed on some rank, by name ("": none)
+
+  // The lines as the log's header holds them (after the environment).
+  std::string report() const {
+    std::string text;
+    for (const std::string& l : lines) text += l + "\n";
+    return text;
+  }
+  // Under --self-check strict a failure stops the run, once its lines are out.
+  void stop_if_strict(const Hyperparameters& h) const {
+    if (!failed_paths.empty() && h.self_check == "strict")
+      throw SelfCheckFailed("self-check failed: " + failed_paths + " (the self-check lines say by how much; " +
+                            "--self-check fallback trains on the references instead)");
+  }
+};
+
+// Runs the self-check on this rank's GPU and votes: a path fails when it fails on any rank (comm
+// null: this process alone), and is replaced by its reference.
+inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfCheckShape& shape, uint16_t bos,
+                                         const ValidationPlan* val, DeviceCommunicator* comm) {
+  SelfCheckOutcome outcome{paths_of(h), {}, false, ""};
+  if (h.self_check == "off") return outcome;
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<uint16_t> layout = self_check_layout(val, shape.attention_tokens, bos);
+  Matmul matmul;
+  const std::vector<SelfCheckResult> results = run_self_check(shape, layout.data(), bos, matmul, 0);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  int failed_checks = 0;
+  for (const SelfCheckResult& r : results) {
+    outcome.lines.push_back(r.line());
+    failed_checks += !r.passed();
+  }
+  outcome.failed_here = failed_checks > 0;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  char summary[128];
+  std::snprintf(summary, sizeof summary, "self-check: %zu checks, %d failed, %.1f s", results.size(), failed_checks,
+                seconds);
+  outcome.lines.push_back(summary);
+  for (const FastPath& path : fast_paths()) {
+    bool failed_here = false;
+    for (const SelfCheckResult& r : results) failed_here |= r.path == path.member && !r.passed();
+    const bool failed = comm ? comm->all_reduce_sum(failed_here ? 1.0 : 0.0) > 0 : failed_here;
+    if (!failed) continue;
+    outcome.failed_paths += (outcome.failed_paths.empty() ? "" : ", ") + std::string(path.name);
+    outcome.paths.*path.member = false;
+    if (h.self_check == "fallback")
+      outcome.lines.push_back(std::string("self-check fallback: ") + path.name + " failed " +
+                              (failed_here ? "here" : "on another rank") + "; this run uses its reference (" +
+                              path.reference_flag + "): slower, and not a record run");
+  }
+  return outcome;
+}
+
+// --self-check-only: the self-check on this process's GPU, printed; 0 when every check passed.
+inline int self_check_alone(Hyperparameters h) {
+  h.self_check = "strict";
+  const GPTConfig c;
+  const SelfCheckOutcome outcome = self_check_paths(h, self_check_shape(c), c.bos_token, nullptr, nullptr);
+  std::printf("%s", outcome.report().c_str());
+  outcome.stop_if_strict(h);
+  return 0;
+}
+
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
@@ -1863,9 +2004,20 @@ class TrainingRun {
     uint64_t seed = comm_->rank() == 0 ? (h.seed ? h.seed : fresh_seed()) & ((uint64_t(1) << 52) - 1) : 0;
     counters_.seed = uint64_t(comm_->all_reduce_sum(double(seed)));
     initialize_parameters(config_, model_.params, counters_.seed);
+    beat("self-check");
+    const SelfCheckOutcome self_check =
+        self_check_paths(h, self_check_shape(config_), config_.bos_token, &val_, comm_.get());
+    if (comm_->rank() == 0 || self_check.failed_here) std::printf("%s", self_check.report().c_str());
+    for (const std::string& line : self_check.lines)
+      if (comm_->rank() == 0 && line.rfind("self-check fallback:", 0) == 0)
+        std::fprintf(stderr, "WARNING: %s\n", line.c_str());
+    self_check.stop_if_strict(h);
+    paths_ = self_check.paths;
+    model_.set_paths(paths_);
+    optimizers_.set_batched_muon(paths_.batched_muon);
     if (comm_->rank() == 0) {
       log_ = std::make_unique<RunLog>(h.log_dir, new_run_id());
-      log_->header(trainer_source(), environment_report());
+      log_->header(trainer_source(), environment_report() + self_check.report());
       log_parameters(*log_, h, model_.params.list);
       std::printf("run log: %s (%d rank%s, %s)\n", log_->path().c_str(), comm_->world_size(),
                   comm_->world_size() > 1 ? "s" : "", g.launcher.c_str());
@@ -1938,7 +2090,7 @@ class TrainingRun {
     for (int i = 0; i < h_.warmup_steps; ++i) {
       beat("warmup step " + std::to_string(i));
       int step = std::min(i, h_.num_iterations - 1);
-      train_step(model_, train_, optimizers_, loader.next(), step, schedule_, !h_.bf16_head, 0);
+      train_step(model_, train_, optimizers_, loader.next(), step, schedule_, paths_.fp8_head, 0);
     }
     if (initial) restore_state(*initial, "", state_, model_.params);
   }
@@ -1996,7 +2148,7 @@ class TrainingRun {
     model_.set_timeline(timeline.get());
     optimizers_.set_timeline(timeline.get());
     auto start = std::chrono::steady_clock::now();
-    double loss_sum = train_step(model_, train_, optimizers_, batch, step, schedule_, !h_.bf16_head, 0);
+    double loss_sum = train_step(model_, train_, optimizers_, batch, step, schedule_, paths_.fp8_head, 0);
     double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (timeline) write_timeline(*timeline, step + 1);
     // the console's mean over ranks; a NaN anywhere stops all
@@ -2030,12 +2182,17 @@ class TrainingRun {
   std::vector<StateBuffer> state_;
   std::string checkpoint_dir_, last_checkpoint_ = "none", unconfirmed_checkpoint_;
   int unconfirmed_step_ = -1;
+  KernelPaths paths_;            // after the self-check
   std::unique_ptr<RunLog> log_;  // rank 0 only
 };
 
 // Everything that can be checked without the GPU is checked first, so that bad input is named
 // before minutes of initialisation (and on machines without a GPU).
 int run_training(const Hyperparameters& h) {
+  if (h.self_check_only) {  // no data, no ranks: this GPU's fast paths alone
+    require_hopper_gpu(select_gpu(process_group_from_env().local_rank));
+    return self_check_alone(h);
+  }
   check_data(h);
   const ProcessGroupEnv g = process_group_from_env();
   check_output_folders(h, g);
@@ -2066,6 +2223,8 @@ int main(int argc, char** argv) {
     return fail(e, kExitNoUsableGpu);
   } catch (const RunFilesError& e) {
     return fail(e, kExitRunFiles);
+  } catch (const SelfCheckFailed& e) {
+    return fail(e, kExitSelfCheckFailed);
   } catch (const std::exception& e) {
     return fail(e, kExitRunFailed);
   }

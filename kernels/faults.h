@@ -1,5 +1,6 @@
-// Test-only fault switch: known distributed bugs that the oracle (tests/test_oracle.cpp) must catch.
-// Production code never sets it; the communication and optimizer layers read it.
+// Test-only fault switch: known distributed bugs that the oracle (tests/test_oracle.cpp) must catch,
+// and wrong results of the fast paths that the start-up self-check (self_check.cuh) must catch.
+// Production code never sets it; the communication and optimizer layers and the self-check read it.
 #pragma once
 
 enum class Fault {
@@ -11,6 +12,11 @@ enum class Fault {
   wrong_shard_offset,          // DistAdam updates the parameter slice of the next rank
   skip_all_gather,             // Muon's all-gather is skipped: other ranks keep stale matrices
   replicated_count_per_rank,   // every rank contributes the (replicated) global count to its sum
+  wrong_flash_attention,       // the self-check sees the flash kernels' outputs 25% off
+  wrong_fp8_head,              // ... the FP8 head's products
+  wrong_fused_e5m2_gradient,   // ... the cross-entropy's fused e5m2 gradient
+  wrong_batched_muon,          // ... the batched Muon update
+  wrong_fused_residual_add,    // ... the matmul with the residual as cuBLASLt's C
 };
 
 inline Fault& injected_fault() {
@@ -28,6 +34,11 @@ inline const char* fault_name(Fault f) {
     case Fault::wrong_shard_offset: return "wrong_shard_offset";
     case Fault::skip_all_gather: return "skip_all_gather";
     case Fault::replicated_count_per_rank: return "replicated_count_per_rank";
+    case Fault::wrong_flash_attention: return "wrong_flash_attention";
+    case Fault::wrong_fp8_head: return "wrong_fp8_head";
+    case Fault::wrong_fused_e5m2_gradient: return "wrong_fused_e5m2_gradient";
+    case Fault::wrong_batched_muon: return "wrong_batched_muon";
+    case Fault::wrong_fused_residual_add: return "wrong_fused_residual_add";
   }
   return "?";
 }

@@ -164,17 +164,28 @@ class Fp8Head {
 
   // From logits [rows, V] (rows as the last forward; the model passes the forward's own): the
   // token losses [rows] and g_f8 and its transpose, the e5m2 copies of the summed loss's gradient
-  // times grad_scale (1 in training; the head has no losses-only use: evaluation is bf16).
-  void loss_and_gradient(const bf16* logits, const uint16_t* targets, float* losses, const Softcap& sc,
-                         cudaStream_t stream, float grad_scale = 1.0f) {
+  // times grad_scale (1 in training; the head has no losses-only use: evaluation is bf16). The
+  // fused path leaves the logits as they are; the cast path overwrites them with the bf16 gradient.
+  void loss_and_gradient(bf16* logits, const uint16_t* targets, float* losses, const Softcap& sc, cudaStream_t stream,
+                         float grad_scale = 1.0f) {
     if (rows_ == 0) throw std::logic_error("Fp8Head: loss before any forward");
     if (!(grad_scale != 0.0f)) throw std::invalid_argument("Fp8Head: a loss gradient scaled by 0 is no gradient");
     require_aligned("logits", logits);
-    softcap_cross_entropy(logits, targets, losses, rows_, V_, grad_scale, E5m2Gradient{g_f8_, scales_.grad_inv}, stream,
-                          sc);
-    fp8_transpose(g_f8_, g_f8_t_, rows_, V_, stream);
+    if (fused_gradient_) {
+      softcap_cross_entropy(logits, targets, losses, rows_, V_, grad_scale, E5m2Gradient{g_f8_, scales_.grad_inv},
+                            stream, sc);
+      fp8_transpose(g_f8_, g_f8_t_, rows_, V_, stream);
+    } else {
+      softcap_cross_entropy(logits, targets, losses, rows_, V_, grad_scale, stream, sc);
+      fp8_quantize<Fp8Kind::e5m2>(logits, g_f8_, g_f8_t_, rows_, V_, scales_.grad_inv, stream);
+    }
     gradient_ready_ = true;
   }
+
+  // true (the default): the cross-entropy writes the e5m2 gradient itself; false: it writes the
+  // bf16 gradient over the logits and a cast makes both e5m2 copies (the same bytes, one pass
+  // more: the self-check's reference, and the run's path with --fp8-gradient cast).
+  void set_fused_gradient(bool fused) { fused_gradient_ = fused; }
 
   // From the gradient of the last loss_and_gradient: dx [rows, d] bf16 (overwritten) and
   // dw [V, d] fp32 += the weight gradient (accumulates over chunks and micro-sequences).
@@ -237,7 +248,7 @@ class Fp8Head {
   }
 
   int max_rows_, V_, d_, rows_ = 0;
-  bool weight_ready_ = false, gradient_ready_ = false;
+  bool weight_ready_ = false, gradient_ready_ = false, fused_gradient_ = true;
   Fp8HeadScales scales_;
   uint8_t* storage_ = nullptr;
   float* device_scales_ = nullptr;  // [3]: x, w, grad

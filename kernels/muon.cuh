@@ -152,3 +152,10 @@ inline void muon_update(const std::vector<MuonMatrix>& matrices, int rows, int c
     CUDA_CHECK_LAUNCH();
   }
 }
+
+// The same update one matrix at a time (no strided batches): the batched path's reference in the
+// start-up self-check, and the run's path with --muon per-matrix.
+inline void muon_update_each(const std::vector<MuonMatrix>& matrices, int rows, int cols, const MuonStep& s,
+                             MuonWorkspace& ws, Matmul& matmul, cudaStream_t stream) {
+  for (const MuonMatrix& m : matrices) muon_update({m}, rows, cols, s, ws, matmul, stream);
+}

@@ -7,6 +7,7 @@
 #pragma once
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
+#include "kernels/matmul.cuh"
 
 #include <algorithm>
 #include <stdexcept>
@@ -144,4 +145,19 @@ inline void add_into(const bf16* src, bf16* dst, size_t n, cudaStream_t stream) 
   if (n % 8) throw std::invalid_argument("add_into: size must be a multiple of 8");
   add_into_kernel<<<elementwise_grid(n / 8), 256, 0, stream>>>(src, dst, n / 8);
   CUDA_CHECK_LAUNCH();
+}
+
+// y[T, n] = x[T, k] W[n, k]^T + residual[T, n] (bf16): with `fused`, the residual is cuBLASLt's C
+// (D elsewhere: one pass); otherwise the product and then an add (the self-check's reference, and
+// the run's path with --residual-add separate).
+inline void linear_with_residual(Matmul& matmul, const bf16* x, const bf16* w, bf16* y, int T, int n, int k,
+                                 const bf16* residual, bool fused, cudaStream_t stream) {
+  if (fused) {
+    MatmulOptions o;
+    o.addend = residual;
+    matmul(x, Transpose::N, w, Transpose::T, y, T, n, k, CUDA_R_16BF, o, stream, 1.0f, 1.0f);
+    return;
+  }
+  matmul(x, Transpose::N, w, Transpose::T, y, T, n, k, CUDA_R_16BF, stream);
+  add_into(residual, y, size_t(T) * n, stream);
 }

@@ -216,6 +216,19 @@ class Commands(TempDir):
         self.assertEqual(rc, 1)
         self.assertIn("runs mix targets: 860 steps in " + short + "; 1770 steps in " + LOG_8054, err)
 
+    def test_refuses_a_run_with_a_self_check_fallback(self):
+        # The fallback line in the header (between the rules), as the trainer writes it; the same
+        # words quoted in the source above the first rule do not count.
+        fallback = ("self-check fallback: flash attention failed here; this run uses its reference "
+                    "(--attention reference): slower, and not a record run")
+        source_quote = OUR_LOG.replace("// a log line looks like:", "// " + fallback)
+        self.assertEqual(records.parse_log(self.write("quoted.txt", source_quote)).fallbacks, [])
+        path = self.write("fallback.txt", source_quote.replace("| NVIDIA-SMI 580.00 |", "| NVIDIA-SMI 580.00 |\n" + fallback))
+        self.assertEqual(records.parse_log(path).fallbacks, [fallback])
+        rc, _, err = self.command("stats", LOG_8054, path)
+        self.assertEqual(rc, 1)
+        self.assertIn("fallback.txt: trained on a reference path, not a record run: " + fallback, err)
+
     def test_refuses_a_nan_loss(self):
         rc, _, err = self.command("stats", self.write("nan.txt", step_log(10, "nan", 900)))
         self.assertEqual(rc, 1)

@@ -7,6 +7,8 @@
 #include "reference/model.h"
 
 #include <filesystem>
+#include <iterator>
+#include <sstream>
 
 namespace {
 
@@ -83,6 +85,25 @@ TEST_CASE("bad flags are errors that name the flag") {
   CHECK_THROWS_WITH(parse_only({"--timeline-step", "11", "--num-iterations", "10"}),
                     "--timeline-step 11 is past the run's last step (--num-iterations 10)");
   parse_only({"--timeline-step", "10", "--num-iterations", "10"});
+}
+
+TEST_CASE("the fast paths' flags select their references; the self-check's modes") {
+  KernelPaths fast = paths_of(parsed({}));
+  for (const FastPath& p : fast_paths()) CHECK(fast.*p.member);
+  KernelPaths references = paths_of(parsed({"--attention", "reference", "--bf16-head", "--fp8-gradient=cast", "--muon",
+                                            "per-matrix", "--residual-add", "separate"}));
+  for (const FastPath& p : fast_paths()) CHECK(!(references.*p.member));
+  CHECK(parsed({}).self_check == "fallback" && !parsed({}).self_check_only);
+  CHECK(parsed({"--self-check", "strict", "--self-check-only"}).self_check_only);
+  CHECK_THROWS_WITH(parse_only({"--self-check", "on"}), "--self-check = on: must be fallback, strict or off");
+  CHECK_THROWS_WITH(parse_only({"--attention", "fast"}), "--attention = fast: must be flash or reference");
+  CHECK_THROWS_WITH(parse_only({"--muon", "single"}), "--muon = single: must be batched or per-matrix");
+  // Every fast path's reference flag, as the self-check's fallback line names it, is a flag here.
+  for (const FastPath& p : fast_paths()) {
+    std::istringstream words(p.reference_flag);
+    std::vector<std::string> flag{std::istream_iterator<std::string>(words), {}};
+    CHECK(!(paths_of(parsed(flag)).*p.member));
+  }
 }
 
 TEST_CASE("a shard path where a flag should be: the shell expanded a glob, so quote it") {

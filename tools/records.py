@@ -42,6 +42,7 @@ LOG_RULE = "=" * 100
 NUMBER = r"-?(?:\d+(?:\.\d+)?|nan|inf)"
 VAL_LINE = re.compile(rf"step:(\d+)/(\d+) val_loss:({NUMBER}) train_time:(\d+)ms step_avg:{NUMBER}ms")
 TRAIN_LINE = re.compile(rf"step:(\d+)/(\d+) train_time:(\d+)ms step_avg:{NUMBER}ms")
+FALLBACK_LINE = "self-check fallback: "
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Run:
     num_iterations: int = 0
     val: list = field(default_factory=list)    # (step, val loss, train ms) at validation steps
     train: list = field(default_factory=list)  # (step, train ms) after training steps
+    fallbacks: list = field(default_factory=list)  # the header's "self-check fallback: ..." lines
 
     def final(self):
         """(val loss, train ms) of the final step:N/N val_loss line, or None if the run did not finish."""
@@ -62,6 +64,8 @@ def parse_log(path):
         lines = f.read().splitlines()
     rules = [i for i, line in enumerate(lines) if line == LOG_RULE]
     run = Run(path)
+    # The trainer's header (after the source's rule) names every fast path its self-check replaced.
+    run.fallbacks = [line for line in lines[rules[0] + 1 if rules else 0:] if line.startswith(FALLBACK_LINE)]
     targets = set()
     for line in lines[rules[-1] + 1 if rules else 0:]:
         if m := VAL_LINE.fullmatch(line):
@@ -103,6 +107,8 @@ def finished_runs(paths):
                               f"{run.num_iterations} val_loss line (last step seen: {last})")
         if not math.isfinite(final[0]):
             raise RecordError(f"{run.path}: final val_loss is {final[0]}")
+        if run.fallbacks:
+            raise RecordError(f"{run.path}: trained on a reference path, not a record run: {run.fallbacks[0]}")
     by_target = {}
     for run in runs:
         by_target.setdefault(run.num_iterations, []).append(run.path)

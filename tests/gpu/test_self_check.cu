@@ -1,0 +1,136 @@
+// The start-up self-check (kernels/self_check.cuh, train_gpt.cu's self_check_paths): with no
+// fault every fast path passes; a wrong result in one fast path (kernels/faults.h) fails exactly
+// that path's checks, `fallback` replaces exactly that path by the reference its flag selects, and
+// `strict` stops with SelfCheckFailed (exit status 6) naming it; the trainer's step on every
+// reference path trains as the fast paths do. On a GPU the record-shaped self-check runs too.
+#include "gpu/model_fixture.h"
+
+namespace {
+
+using namespace fixture;
+
+// Small problems: d = 128 (one head), vocabulary 512, four attention blocks (windows 1, 3 and 14
+// still differ: 14 covers the whole sequence). Mostly the reference attention's warp sums, which
+// the emulator is slowest at.
+SelfCheckShape small_shape() {
+  SelfCheckShape s{128, 1, 512};
+  s.attention_tokens = 4 * kAttentionBlock;
+  s.head_rows = 64;
+  s.residual_rows = 128;
+  return s;
+}
+
+// The flags that select each path's reference, as a user would give them.
+Hyperparameters with_reference_flag(Hyperparameters h, bool KernelPaths::*path) {
+  if (path == &KernelPaths::flash_attention) h.attention = "reference";
+  if (path == &KernelPaths::fp8_head) h.bf16_head = true;
+  if (path == &KernelPaths::fused_e5m2_gradient) h.fp8_gradient = "cast";
+  if (path == &KernelPaths::batched_muon) h.muon = "per-matrix";
+  if (path == &KernelPaths::fused_residual_add) h.residual_add = "separate";
+  return h;
+}
+
+bool same_paths(const KernelPaths& a, const KernelPaths& b) {
+  for (const FastPath& p : fast_paths())
+    if (a.*p.member != b.*p.member) return false;
+  return true;
+}
+
+SelfCheckOutcome self_check_with(const Hyperparameters& h, Fault fault) {
+  injected_fault() = fault;
+  try {
+    SelfCheckOutcome outcome = self_check_paths(h, small_shape(), 511, nullptr, nullptr);
+    injected_fault() = Fault::none;
+    return outcome;
+  } catch (...) {
+    injected_fault() = Fault::none;
+    throw;
+  }
+}
+
+// One micro-sequence's forward and backward on `paths` (the FP8 head on): the summed loss and
+// every parameter's gradient.
+std::pair<double, std::vector<std::vector<double>>> gradients_on(const KernelPaths& paths) {
+  const int T = 256;
+  DeviceMemory memory;
+  GPT model(gpu_config(), memory);
+  Activations acts(model.config(), T, /*backward=*/true, memory, /*fp8_head=*/true);
+  load_weights(reference_config(), model, 61);
+  const std::vector<uint16_t> tokens = synthetic_tokens(T + 1, 1024, 1023, 1.0 / 90, 62);
+  HostBatch host(tokens.data(), 1, T, 0);
+  model.set_paths(paths);
+  accumulate_gradients(model, acts, host.batch, /*window_blocks=*/2, /*fp8_head=*/true, 0);
+  std::vector<std::vector<double>> grads;
+  for (const Param& p : model.params.list) grads.push_back(download_grad(model.params, p));
+  return {take_loss_total(acts, 0), grads};
+}
+
+}  // namespace
+
+TEST_CASE("with no fault every fast path passes its self-check, and the run keeps every fast path") {
+  const SelfCheckOutcome outcome = self_check_with(Hyperparameters{}, Fault::none);
+  for (const std::string& line : outcome.lines) std::printf("  %s\n", line.c_str());
+  CHECK(!outcome.failed_here && outcome.failed_paths.empty());
+  CHECK(same_paths(outcome.paths, KernelPaths{}));
+  CHECK(outcome.lines.back().find("self-check: 11 checks, 0 failed") == 0);
+}
+
+TEST_CASE("a wrong fast path fails its own checks only; fallback takes its reference flag's path, strict stops") {
+  for (const FastPath& path : fast_paths()) {
+    const SelfCheckOutcome outcome = self_check_with(Hyperparameters{}, path.fault);
+    int failed = 0, failed_elsewhere = 0;
+    for (const std::string& line : outcome.lines) {
+      const bool failed_line = line.size() > 6 && line.compare(line.size() - 6, 6, "FAILED") == 0;
+      failed += failed_line;
+      failed_elsewhere += failed_line && line.find(std::string("self-check ") + path.name) != 0;
+    }
+    std::printf("  %-26s %d checks failed; paths replaced: %s\n", fault_name(path.fault), failed,
+                outcome.failed_paths.c_str());
+    CHECK(failed > 0 && failed_elsewhere == 0);
+    CHECK(outcome.failed_paths == path.name);
+    CHECK(same_paths(outcome.paths, paths_of(with_reference_flag(Hyperparameters{}, path.member))));
+    CHECK(outcome.lines.back() == std::string("self-check fallback: ") + path.name +
+                                      " failed here; this run uses its reference (" + path.reference_flag +
+                                      "): slower, and not a record run");
+    Hyperparameters strict;  // the same outcome under --self-check strict
+    strict.self_check = "strict";
+    CHECK_THROWS_WITH(outcome.stop_if_strict(strict), "self-check failed: ", path.name);
+  }
+}
+
+TEST_CASE("--self-check off runs nothing and keeps the flags' paths") {
+  Hyperparameters h = with_reference_flag(Hyperparameters{}, &KernelPaths::batched_muon);
+  h.self_check = "off";
+  const SelfCheckOutcome outcome = self_check_with(h, Fault::wrong_flash_attention);
+  CHECK(outcome.lines.empty());
+  CHECK(same_paths(outcome.paths, paths_of(h)));
+}
+
+TEST_CASE("the model on the reference paths (the FP8 head kept) gives the fast paths' loss and gradients") {
+  // The bf16 head is another mathematics, trained and checked apart (test_model, test_training).
+  KernelPaths references;
+  for (const FastPath& p : fast_paths()) references.*p.member = p.member == &KernelPaths::fp8_head;
+  const auto [fast_loss, fast_grads] = gradients_on(KernelPaths{});
+  const auto [reference_loss, reference_grads] = gradients_on(references);
+  std::printf("  summed loss: fast paths %.6f, references %.6f\n", fast_loss, reference_loss);
+  CHECK(std::fabs(fast_loss - reference_loss) <= 5e-3 * std::fabs(fast_loss));
+  CHECK(reference_grads != fast_grads);  // the reference paths did run: they round differently
+  const std::vector<Param> params = parameter_list(gpu_config());
+  for (size_t p = 0; p < params.size(); ++p) {
+    const double error = relative_error(reference_grads[p], fast_grads[p]);
+    std::printf("  %-28s grad rel. error %.2e\n", params[p].name.c_str(), error);
+    CHECK(error <= grad_bound_of(params[p], 2e-2));  // bf16 rounding apart, as test_training's M = 8 vs M = 1
+  }
+}
+
+TEST_CASE("the self-check at the record's shapes passes on this GPU") {
+  if (!at_record_shapes("the record-shaped self-check")) return;
+  const GPTConfig c;
+  Hyperparameters strict;
+  strict.self_check = "strict";
+  const SelfCheckOutcome outcome = self_check_paths(strict, self_check_shape(c), c.bos_token, nullptr, nullptr);
+  for (const std::string& line : outcome.lines) std::printf("  %s\n", line.c_str());
+  CHECK(outcome.failed_paths.empty());
+}
+
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }
