@@ -1600,10 +1600,13 @@ struct RunCounters {
   uint64_t seed = 0;      // the initialisation seed (logged again on resume)
 };
 
+constexpr const char* kEmbeddingsBlob = "embeddings";  // every embedding parameter, bf16
+constexpr const char* kMastersBlob = "masters";        // every other parameter's fp32 master
+
 inline std::vector<StateBuffer> training_state(const ParameterStore& params, Optimizers& optimizers,
                                                RunCounters& counters) {
-  std::vector<StateBuffer> state{{"embeddings", params.embeddings, params.embedding_count * sizeof(bf16)},
-                                 {"masters", params.master, params.master_count * sizeof(float)}};
+  std::vector<StateBuffer> state{{kEmbeddingsBlob, params.embeddings, params.embedding_count * sizeof(bf16)},
+                                 {kMastersBlob, params.master, params.master_count * sizeof(float)}};
   for (const StateBuffer& b : optimizers.state_buffers()) state.push_back(b);
   state.push_back({"train_ms", &counters.train_ms, sizeof counters.train_ms});
   state.push_back({"seed", &counters.seed, sizeof counters.seed});
@@ -1611,6 +1614,19 @@ inline std::vector<StateBuffer> training_state(const ParameterStore& params, Opt
 }
 
 constexpr const char* kRunFlagsBlob = "run flags";  // resume_flags of the run that wrote the checkpoint
+
+// Where each parameter lies in the two parameter blobs, one "<name> <blob> <dtype> <offset> <count>"
+// line each (offset and count in elements), so that a checkpoint is read parameter by parameter
+// without this file: tools/compare_checkpoints.py compares the ranks of an NCCL run with W = 1.
+constexpr const char* kParameterLayoutBlob = "parameter layout";
+inline std::string parameter_layout(const std::vector<Param>& list) {
+  std::string lines;
+  for (const Param& p : list) {
+    const std::string blob = p.is_embedding() ? std::string(kEmbeddingsBlob) + " bf16" : std::string(kMastersBlob) + " fp32";
+    lines += p.name + " " + blob + " " + std::to_string(p.offset) + " " + std::to_string(p.numel) + "\n";
+  }
+  return lines;
+}
 
 inline Checkpoint capture_state(const std::vector<StateBuffer>& state, int step) {
   CUDA_CHECK(cudaDeviceSynchronize());
@@ -2135,8 +2151,9 @@ class TrainingRun {
   // parameters, is finite: until then a NaN stop names the one before.
   void checkpoint(int step) {
     Checkpoint c = capture_state(state_, step);
-    const std::string flags = run_flags();
+    const std::string flags = run_flags(), layout = parameter_layout(model_.params.list);
     c.blobs.emplace_back(kRunFlagsBlob, std::vector<uint8_t>(flags.begin(), flags.end()));
+    c.blobs.emplace_back(kParameterLayoutBlob, std::vector<uint8_t>(layout.begin(), layout.end()));
     write_checkpoint(checkpoint_dir_, c);
     unconfirmed_checkpoint_ = checkpoint_path(checkpoint_dir_, step);
     unconfirmed_step_ = step;

@@ -193,6 +193,23 @@ TEST_CASE("damaged checkpoints are errors that name the file") {
   CHECK_THROWS_WITH(read_checkpoint(path), path.c_str(), ": 'params' is damaged (its hash differs)");
 }
 
+// tests/data/checkpoint/tiny.ckpt is written by tests/checkpoint_files.py, the Python side that
+// tools/compare_checkpoints.py is tested with: it must read here (format and hashes agree), name
+// its parameters as parameter_layout does, and be what write_checkpoint writes, byte for byte.
+TEST_CASE("a checkpoint written by the comparison tool's tests is one this trainer writes") {
+  const std::string tiny = "tests/data/checkpoint/tiny.ckpt";
+  const Checkpoint c = read_checkpoint(tiny);
+  const std::vector<Param> list{{"embed.weight", {3, 2}, ParamKind::embed, -1, 6, 0},
+                                {"lm_head.weight", {3, 2}, ParamKind::lm_head, -1, 6, 0},
+                                {"scalars", {2}, ParamKind::scalars, -1, 2, 6}};
+  const std::string layout = parameter_layout(list);
+  CHECK(c.step == 4 && c.blob(kParameterLayoutBlob, tiny) == std::vector<uint8_t>(layout.begin(), layout.end()));
+  CHECK(c.blob(kEmbeddingsBlob, tiny).size() == 6 * sizeof(bf16) && c.blob(kMastersBlob, tiny).size() == 8 * sizeof(float));
+  const std::string dir = temp_dir("tiny_checkpoint");
+  write_checkpoint(dir, c);
+  CHECK(read_file(checkpoint_path(dir, 4)) == read_file(tiny));
+}
+
 TEST_CASE("the newest checkpoint is the highest step number; other names are ignored") {
   std::string dir = temp_dir("numbered_checkpoints");
   Checkpoint c;

@@ -12,6 +12,7 @@ trap 'rm -rf "$work"' EXIT
   --num-iterations 30 --micro-batches 1 --seq-len 16384 --val-tokens 262144 --val-seq-len 65536 \
   --val-every 10 --warmup-steps 2 --log-dir "$work/logs" --checkpoint-dir "$work/checkpoints" | tee "$work/console.txt"
 log=$(ls "$work"/logs/*.txt)
+echo "the trainer reports: $(grep -m1 '^Running CUDA driver' "$log")"  # versions, for tools/acceptance.sh
 losses=$(grep -E '^step:[0-9]+/30 val_loss:' "$log" | sed -E 's/.*val_loss:([^ ]+).*/\1/')
 echo "validation losses: $(echo $losses)"
 [[ $(echo "$losses" | wc -l) -eq 4 ]] || { echo "FAILED: expected 4 validation lines in $log"; exit 1; }

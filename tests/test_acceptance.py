@@ -1,0 +1,298 @@
+"""tools/acceptance.sh without a GPU: phase selection, the report's sections and tables, each phase's
+verdict and the exit status, the oracle's runs over NCCL ranks and their comparison (the real
+tools/compare_checkpoints.py). The script runs in a copy of the repository's layout in which the
+GPU machine's commands are stand-ins: nvidia-smi, nvcc, cmake and ctest on PATH; run.sh (the
+trainer's self-check and the oracle's runs, writing checkpoints), the smoke run, the benchmarks.
+Exits 77 (skipped) without numpy, which the comparison needs."""
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+try:
+    import numpy  # noqa: F401
+except ImportError:
+    print("numpy is missing (tools/compare_checkpoints.py needs it): skipped")
+    sys.exit(77)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPT = os.path.join(ROOT, "tools", "acceptance.sh")
+
+STAND_INS = {
+    # nvidia-smi: FAKE_GPUS H100s (none: it fails as without a driver).
+    "bin/nvidia-smi": """\
+        #!/usr/bin/env bash
+        gpus=${FAKE_GPUS:-0}
+        ((gpus > 0)) || { echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."; exit 9; }
+        case ${1:-} in
+          -L) for ((i = 0; i < gpus; i++)); do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done ;;
+          --query-gpu=*) for ((i = 0; i < gpus; i++)); do echo "$i, NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB"; done ;;
+          *) echo "| NVIDIA-SMI 580.159.04    Driver Version: 580.159.04    CUDA Version: 13.0 |" ;;
+        esac
+        """,
+    "bin/nvcc": """\
+        #!/usr/bin/env bash
+        echo "Cuda compilation tools, release 13.0, V13.0.88"
+        """,
+    # cmake: configures (a cache file) and builds (nothing); FAKE_BUILD_FAILS fails every build.
+    "bin/cmake": """\
+        #!/usr/bin/env bash
+        echo "cmake $*" >>"$FAKE_CALLS.commands"
+        case $1 in
+          --version) echo "cmake version 3.31.6" ;;
+          --preset) mkdir -p build && touch build/CMakeCache.txt ;;
+          --build) [[ -z ${FAKE_BUILD_FAILS:-} ]] || { echo "error: nvcc failed"; exit 1; } ;;
+        esac
+        """,
+    # ctest: CTest's lines for the fast or the slow tests; FAKE_FAILING_TEST fails that one.
+    "bin/ctest": """\
+        #!/usr/bin/env bash
+        echo "ctest $*" >>"$FAKE_CALLS.commands"
+        tests="gpu_device test_kernels test_attention nan_stop"
+        [[ " $* " == *" -L slow "* ]] && tests="test_model test_training test_distributed"
+        echo "Test project $PWD/build"
+        i=0 failed=0
+        for t in $tests; do
+          i=$((i + 1))
+          if [[ $t == "${FAKE_FAILING_TEST:-}" ]]; then
+            printf '%d/4 Test #%d: %s ....................***Failed   12.50 sec\\n' $i $i "$t"
+            failed=1
+          else
+            printf '%d/4 Test #%d: %s ....................   Passed    0.81 sec\\n' $i $i "$t"
+          fi
+        done
+        if ((failed)); then echo "75% tests passed, 1 tests failed out of $i"; exit 8; fi
+        echo "100% tests passed, 0 tests failed out of $i"
+        """,
+    "tests/gpu/smoke_run.sh": """\
+        #!/usr/bin/env bash
+        echo "step:30/30 val_loss:7.2"
+        echo "validation losses: 10.83 9.10 8.00 7.20"
+        echo "the trainer reports: Running CUDA driver 13.0, runtime 13.0, cuBLASLt 130100, NCCL 22805"
+        echo "smoke run passed: 10.83 -> 7.20"
+        """,
+    "build/bench_kernels": """\
+        #!/usr/bin/env bash
+        echo "NVIDIA H100 80GB HBM3, 132 SMs, median of $1 runs"
+        echo
+        echo "| kernel | ms | achieved | of peak |"
+        echo "|---|---|---|---|"
+        echo "| rmsnorm fwd [49152, 768] | 0.056 | 2.68 TB/s | 89.1% |"
+        """,
+    "tools/bench_torch.py": """\
+        import sys
+        print("NVIDIA H100 80GB HBM3, PyTorch 2.11.0+cu130, median of 20 runs\\n")
+        print("| PyTorch op | torch ms | ours ms | ours / torch |\\n|---|---|---|---|")
+        print("| compiled F.rms_norm fwd | 0.070 | 0.056 | 0.80 |")
+        """,
+    # run.sh: the trainer's self-check (FAKE_SELF_CHECK: pass, fail or unknown, a trainer without it)
+    # or an oracle run, which writes the final checkpoint of every rank: the tiny parameters, lm_head
+    # scaled by 1 + 1e-4 (rank + 1); FAKE_BROKEN "<mode>:<W>" scales it by 2 in that run, and
+    # FAKE_RUN_FAILS "<mode>:<W>" makes that run fail.
+    "run.sh": """\
+        import json, os, sys
+        sys.path.insert(0, os.environ["FAKE_TESTS"])
+        import checkpoint_files as cf
+        args = sys.argv[1:]
+        def flag(name):
+            return args[args.index(name) + 1]
+        W = int(os.environ["NPROC"])
+        with open(os.environ["FAKE_CALLS"], "a") as calls:
+            calls.write(json.dumps({"NPROC": W, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                    "args": args}) + "\\n")
+        if "--self-check-only" in args:
+            behaviour = os.environ.get("FAKE_SELF_CHECK", "pass")
+            if behaviour == "unknown":
+                print("error: unknown flag --self-check (--help lists the flags)")
+                sys.exit(2)
+            print("self-check flash attention forward: rel. error 1.2e-03 (bound 2e-02) ok")
+            verdict = "FAILED" if behaviour == "fail" else "ok"
+            print(f"self-check fp8 head logits: rel. error 3.1e-01 (bound 5e-02) {verdict}" if behaviour == "fail" else
+                  "self-check fp8 head logits: rel. error 4.0e-03 (bound 5e-02) ok")
+            print(f"self-check: 2 checks, {int(behaviour == 'fail')} failed, 2.1 s")
+            sys.exit(6 if behaviour == "fail" else 0)
+        run = f"{flag('--grad-comm')}:{W}"
+        if run == os.environ.get("FAKE_RUN_FAILS"):
+            print("error: NCCL error: unhandled system error")
+            sys.exit(1)
+        step = int(flag("--num-iterations"))
+        for rank in range(W):
+            scale = 2.0 if run == os.environ.get("FAKE_BROKEN") else 1 + 1e-4 * (rank + 1) * (W > 1)
+            masters = [m * scale for m in cf.TINY_MASTERS[:6]] + cf.TINY_MASTERS[6:]
+            folder = flag("--checkpoint-dir") + (f"/rank{rank}" if W > 1 else "")
+            cf.write_checkpoint(f"{folder}/step_{step:06d}.ckpt", step,
+                                cf.parameter_blobs(cf.TINY_EMBEDDINGS, masters, cf.TINY_LAYOUT))
+        """,
+    "build/train_gpt": "#!/usr/bin/env bash\n",
+}
+
+
+class AcceptanceTest(unittest.TestCase):
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="acceptance_")
+        self.addCleanup(shutil.rmtree, self.root)
+        self.repo = os.path.join(self.root, "repo")
+        for tool in ("acceptance.sh", "compare_checkpoints.py"):
+            os.makedirs(os.path.join(self.repo, "tools"), exist_ok=True)
+            shutil.copy(os.path.join(ROOT, "tools", tool), os.path.join(self.repo, "tools", tool))
+        for path, text in STAND_INS.items():
+            full = os.path.join(self.repo, path)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            text = textwrap.dedent(text)
+            if path.endswith(".py") or path == "run.sh":
+                text = f"#!{sys.executable}\n" + text
+            with open(full, "w") as f:
+                f.write(text)
+            os.chmod(full, os.stat(full).st_mode | stat.S_IXUSR)
+        os.symlink(sys.executable, os.path.join(self.repo, "bin", "python3"))  # this Python has numpy
+        self.calls = os.path.join(self.root, "calls.jsonl")
+        self.report = os.path.join(self.root, "report.md")
+
+    def acceptance(self, *phases, gpus=0, **env):
+        environment = dict(os.environ, PATH=os.path.join(self.repo, "bin") + os.pathsep + os.environ["PATH"],
+                           FAKE_GPUS=str(gpus), FAKE_CALLS=self.calls, FAKE_TESTS=HERE,
+                           ACCEPTANCE_REPORT=self.report, **env)
+        for name in ("OUT", "CUDA_VISIBLE_DEVICES"):
+            if name not in env:
+                environment.pop(name, None)
+        result = subprocess.run(["bash", os.path.join(self.repo, "tools", "acceptance.sh"), *phases],
+                                env=environment, capture_output=True, text=True, timeout=300)
+        return result.returncode, self.read(self.report), result.stdout + result.stderr
+
+    @staticmethod
+    def read(path):
+        if not os.path.exists(path):
+            return ""
+        with open(path) as f:
+            return f.read()
+
+    def commands(self):
+        """The cmake and ctest command lines, one a line."""
+        return self.read(self.calls + ".commands")
+
+    def run_sh_calls(self):
+        return [json.loads(line) for line in self.read(self.calls).splitlines()]
+
+    def test_an_unknown_phase_is_a_usage_error(self):
+        status, _, output = self.acceptance("build", "benchmarks")
+        self.assertEqual(status, 2)
+        self.assertIn("[build|tests|slow|smoke|self-check|bench|nccl]...", output)
+        self.assertEqual(self.commands(), "")
+
+    def test_without_a_gpu_the_gpu_phases_say_so_and_build_nothing(self):
+        status, report, output = self.acceptance("tests", "slow", "smoke", "self-check", "bench", "nccl")
+        self.assertEqual(status, 77, output)
+        self.assertIn("- GPUs: none (nvidia-smi lists no GPU)", report)
+        for phase in ("tests", "slow", "smoke", "self-check", "bench", "nccl"):
+            self.assertIn(f"## {phase}\n", report)
+            self.assertIn(f"**{phase}: no GPU: skipped**", report)
+        self.assertEqual(report.count("No GPU (nvidia-smi lists none): skipped."), 6)
+        self.assertNotIn("--build", self.commands())
+        self.assertNotIn("ctest", self.commands())
+        self.assertEqual(self.run_sh_calls(), [])
+
+    def test_one_gpu_every_phase_passes_into_one_report(self):
+        out = os.path.join(self.root, "out")
+        os.makedirs(out)
+        status, report, output = self.acceptance(gpus=1, OUT=out)
+        self.assertEqual(status, 0, output)
+        self.assertIn("- GPUs (index, name, driver, memory):\n  - 0, NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB", report)
+        self.assertIn("- driver's CUDA Version: 13.0", report)
+        self.assertIn("- nvcc: release 13.0, V13.0.88", report)
+        self.assertEqual(re.findall(r"^## (\S+)$", report, re.M), ["build", "tests", "slow", "smoke", "self-check",
+                                                                     "bench", "nccl"])
+        for phase in ("build", "tests", "slow", "smoke", "self-check", "bench", "nccl"):
+            self.assertIn(f"**{phase}: passed**", report)
+        self.assertIn("Built gpu_tests bench_kernels", report)
+        self.assertIn("| test | result | time |\n|---|---|---|\n| gpu_device | Passed | 0.81 s |\n"
+                      "| test_kernels | Passed | 0.81 s |", report)
+        self.assertIn("| test_distributed | Passed | 0.81 s |", report)
+        self.assertIn("100% tests passed, 0 tests failed out of 3", report)
+        self.assertIn("- validation losses: 10.83 9.10 8.00 7.20\n- the trainer reports: Running CUDA driver 13.0, "
+                      "runtime 13.0, cuBLASLt 130100, NCCL 22805", report)
+        self.assertIn("| 0 | flash attention forward | 1.2e-03 | 2e-02 | ok |", report)
+        self.assertIn("- GPU 0: self-check: 2 checks, 0 failed, 2.1 s", report)
+        self.assertIn("| rmsnorm fwd [49152, 768] | 0.056 | 2.68 TB/s | 89.1% |", report)
+        self.assertIn("| compiled F.rms_norm fwd | 0.070 | 0.056 | 0.80 |", report)
+        self.assertIn("One GPU: the oracle over NCCL ranks needs 2 or more; not applicable here.", report)
+        commands = self.commands()
+        self.assertIn("ctest --test-dir build -L gpu -LE slow -E ^smoke_run$", commands)
+        self.assertIn("ctest --test-dir build -L slow -j 3", commands)
+        self.assertEqual(commands.count("cmake --preset release"), 1)  # configured once, then built per phase
+        self.assertIn("--target slow_gpu_tests", commands)
+        self.assertEqual(self.run_sh_calls()[0]["args"][:3], ["--self-check", "strict", "--self-check-only"])
+        # OUT holds what the device tool brings back: the report and one log per phase.
+        self.assertEqual(sorted(os.listdir(out)), sorted(["report.md"] + [f"{p}.log" for p in (
+            "build", "tests", "slow", "smoke", "self-check", "bench", "nccl")]))
+        self.assertEqual(self.read(os.path.join(out, "report.md")), report)
+
+    def test_failures_are_named_in_the_report_and_on_the_console(self):
+        status, report, output = self.acceptance("tests", "self-check", gpus=1, FAKE_FAILING_TEST="test_attention",
+                                                 FAKE_SELF_CHECK="fail")
+        self.assertEqual(status, 1)
+        self.assertIn("| test_attention | Failed | 12.50 s |", report)
+        self.assertIn("**tests: FAILED**", report)
+        self.assertIn("| 0 | fp8 head logits | 3.1e-01 | 5e-02 | FAILED |", report)
+        self.assertIn("- GPU 0: self-check: 2 checks, 1 failed, 2.1 s", report)
+        self.assertIn("**self-check: FAILED**", report)
+        self.assertIn(f"send {self.report} and the failed phases' .log files", output)
+
+    def test_a_failed_build_stops_its_phase(self):
+        status, report, _ = self.acceptance("build", gpus=1, FAKE_BUILD_FAILS="1")
+        self.assertEqual(status, 1)
+        self.assertIn("Building gpu_tests bench_kernels FAILED: the end of build.log says why.", report)
+
+    def test_a_trainer_without_the_self_check_is_reported_as_missing(self):
+        status, report, _ = self.acceptance("self-check", gpus=1, FAKE_SELF_CHECK="unknown")
+        self.assertEqual(status, 1)
+        self.assertIn("MISSING: this trainer has no --self-check", report)
+
+    def test_the_self_check_runs_on_each_visible_gpu(self):
+        status, report, output = self.acceptance("self-check", gpus=8, CUDA_VISIBLE_DEVICES="2,5")
+        self.assertEqual(status, 0, output)
+        self.assertEqual([c["CUDA_VISIBLE_DEVICES"] for c in self.run_sh_calls()], ["2", "5"])
+        self.assertIn("- GPU 2: self-check: 2 checks, 0 failed, 2.1 s\n- GPU 5: self-check:", report)
+
+    def test_the_nccl_oracle_compares_every_mode_and_world_size_with_one_rank(self):
+        status, report, output = self.acceptance("nccl", gpus=4, FAKE_BROKEN="bf16-rs:4",
+                                                 FAKE_RUN_FAILS="a2a-fp32acc:2")
+        self.assertEqual(status, 1, output)
+        runs = [(c["NPROC"], c["args"][c["args"].index("--grad-comm") + 1]) for c in self.run_sh_calls()]
+        self.assertEqual(runs, [(1, "fp32-rs"), (2, "fp32-rs"), (2, "bf16-rs"), (2, "a2a-fp32acc"),
+                                (4, "fp32-rs"), (4, "bf16-rs"), (4, "a2a-fp32acc")])
+        args = self.run_sh_calls()[0]["args"]
+        for flag, value in (("--micro-batches", "8"), ("--seed", "1234"), ("--warmup-steps", "0"),
+                            ("--num-iterations", "4")):
+            self.assertEqual(args[args.index(flag) + 1], value)
+        rows = re.findall(r"^\| (\S+) \| (\d) \| (.*) \| (\S+) \| (\S+) \| \d+ s \|$", report, re.M)
+        self.assertEqual([(mode, W, bound, verdict) for mode, W, _, bound, verdict in rows],
+                         [("fp32-rs", "2", "0.1", "ok"), ("bf16-rs", "2", "0.5", "ok"),
+                          ("a2a-fp32acc", "2", "0.5", "FAILED"), ("fp32-rs", "4", "0.1", "ok"),
+                          ("bf16-rs", "4", "0.5", "FAILED"), ("a2a-fp32acc", "4", "0.5", "ok")])
+        self.assertRegex(rows[0][2], r"^2\.000e-04 \(lm_head\.weight, rank1\)$")
+        self.assertRegex(rows[5][2], r"^4\.000e-04 \(lm_head\.weight, rank3\)$")
+        self.assertEqual(rows[2][2], "the run FAILED (exit 1)")
+        self.assertRegex(rows[4][2], r"^1\.000e\+00 \(lm_head\.weight, rank0\)$")
+
+    def test_a_second_call_continues_the_report(self):
+        self.acceptance("tests", gpus=1)
+        status, report, _ = self.acceptance("bench", gpus=1)
+        self.assertEqual(status, 0)
+        self.assertEqual(report.count("## Machine "), 2)
+        self.assertLess(report.index("**tests: passed**"), report.index("## bench"))
+
+    @unittest.skipUnless(shutil.which("shellcheck"), "shellcheck is not installed")
+    def test_the_script_is_shellcheck_clean(self):
+        result = subprocess.run(["shellcheck", SCRIPT], capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()

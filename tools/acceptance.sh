@@ -1,0 +1,288 @@
+#!/usr/bin/env bash
+# The acceptance of a GPU machine: run it first on new hardware, before any training run. Phases,
+# each within one 10-minute device call on one H100 (on a bare machine each first builds what it
+# runs, only that):
+#   build       configure build/ and build what the phases run (gpu_tests, bench_kernels)
+#   tests       the gpu tests but the slow ones and the smoke run (ctest -L gpu -LE slow)
+#   slow        the slow gpu tests side by side (ctest -L slow -j 3): minutes of CPU reference each
+#   smoke       the trainer's 30-step smoke run on the bundled sample (tests/gpu/smoke_run.sh)
+#   self-check  the trainer's start-up self-check on each GPU (--self-check strict --self-check-only)
+#   bench       our kernel benchmark, then PyTorch's ops beside it (the ratios)
+#   nccl        with 2 or more GPUs: the distributed oracle over real NCCL ranks, one process per
+#               GPU: the trainer at W = 2, 4 and all GPUs in every --grad-comm mode against W = 1
+#               on the same data, compared parameter by parameter (tools/compare_checkpoints.py)
+# No argument runs them all, in this order; arguments run the phases named, in the order given.
+# One report: logs/acceptance-<host>-<date>.md (ACCEPTANCE_REPORT names another); each call adds
+# its machine's environment, then each phase its section; a phase's whole output goes to
+# <phase>.log in the folder beside the report (the report's name without .md). When OUT is set (the
+# device tool's folder, whose files come back), the logs go there and the report is copied there
+# after every line; a later call on a bare machine continues the report when ACCEPTANCE_REPORT
+# names it and it was copied back into the tree.
+# Exit status: 0 every phase passed, 1 one failed, 2 usage, 77 none failed but some had no GPU.
+# Usage: tools/acceptance.sh [build|tests|slow|smoke|self-check|bench|nccl]...
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+all_phases=(build tests slow smoke self-check bench nccl)
+phases=("$@")
+((${#phases[@]})) || phases=("${all_phases[@]}")
+for phase in "${phases[@]}"; do
+  if [[ " ${all_phases[*]} " != *" $phase "* ]]; then
+    echo "usage: $0 [$(IFS='|' && echo "${all_phases[*]}")]... (no argument: every phase)" >&2
+    exit 2
+  fi
+done
+
+host=$(hostname -s 2>/dev/null || hostname)
+report=${ACCEPTANCE_REPORT:-logs/acceptance-$host-$(date +%F).md}
+logs=${OUT:-${report%.md}}
+mkdir -p "$(dirname "$report")" "$logs"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# The GPUs this process may use: CUDA_VISIBLE_DEVICES's list when it is set, else all that
+# nvidia-smi lists; none without a driver.
+gpu_count=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if ((gpu_count == 0)); then
+  gpus=()
+elif [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+  IFS=, read -ra gpus <<<"$CUDA_VISIBLE_DEVICES"
+else
+  mapfile -t gpus < <(seq 0 $((gpu_count - 1)))
+fi
+
+# The oracle's runs: the record's model and M = 8 micro-sequences of 4,096 tokens whatever W (the
+# SUM convention makes W = 1 and W = N the same mathematics), 4 steps so that every parameter has
+# been updated twice (qkv and c_fc get gradients from step 3, once the zero-initialised projections
+# have moved), one seed on every rank, no warmup, validation kept small; the final checkpoint holds
+# every parameter on every rank. A hung collective ends a run after 120 s.
+oracle_steps=4
+oracle_flags=(--train-files "data/sample/sample_train_*.bin" --val-files "data/sample/sample_val_*.bin"
+  --seq-len 4096 --micro-batches 8 --num-iterations "$oracle_steps" --seed 1234 --warmup-steps 0
+  --val-every 0 --val-tokens 32768 --val-seq-len 4096 --stall-timeout 120)
+# Bounds on the worst relative error of a parameter, those of the GPU oracle (tests/gpu/test_distributed.cu).
+fp32_bound=0.1 bf16_bound=0.5
+
+# Appends lines to the report (and its copy in OUT).
+say() {
+  printf '%s\n' "$@" >>"$report"
+  if [[ -n ${OUT:-} && ! $report -ef $OUT/$(basename "$report") ]]; then cp "$report" "$OUT/"; fi
+}
+
+# capture <file> <command...>: runs the command, its output into the file and the phase's log.
+capture() {
+  local file=$1
+  shift
+  "$@" 2>&1 | tee "$file" >>"$log"
+  return "${PIPESTATUS[0]}"
+}
+
+need_gpu() {
+  ((${#gpus[@]})) && return 0
+  say "No GPU (nvidia-smi lists none): skipped."
+  return 1
+}
+
+# build_targets <target...>: configures build/ when it is not, then builds the targets.
+build_targets() {
+  local start=$SECONDS generator=()
+  if [[ ! -f build/CMakeCache.txt ]]; then
+    command -v ninja >/dev/null && generator=(-G Ninja)
+    if ! cmake --preset release "${generator[@]}" >>"$log" 2>&1; then
+      say "Configuring build/ FAILED: the end of $phase.log says why."
+      return 1
+    fi
+  fi
+  if ! cmake --build build -j "$(nproc)" --target "$@" >>"$log" 2>&1; then
+    say "Building $* FAILED: the end of $phase.log says why."
+    return 1
+  fi
+  say "Built $* ($((SECONDS - start)) s)."
+}
+
+environment() {
+  local line
+  [[ -s $report ]] || say "# GPU machine acceptance (tools/acceptance.sh)"
+  say "" "## Machine $host, $(date '+%F %T')" ""
+  if ((gpu_count > 0)); then
+    say "- GPUs (index, name, driver, memory):"
+    while IFS= read -r line; do
+      say "  - $line"
+    done < <(nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader)
+    say "- driver's $(nvidia-smi | grep -o 'CUDA Version: [0-9.]*'); CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-(unset)}"
+  else
+    say "- GPUs: none (nvidia-smi lists no GPU)"
+  fi
+  say "- nvcc: $(nvcc --version 2>/dev/null | grep -o 'release .*' || echo 'not found')"
+  say "- $(cmake --version 2>/dev/null | head -1 || echo 'cmake not found'); $(uname -sr)"
+  say "- source: $(git describe --always --dirty 2>/dev/null || echo 'not a git checkout')"
+}
+
+phase_build() {
+  build_targets gpu_tests bench_kernels || return 1
+  # What the trainer loads (cuBLASLt's and NCCL's versions are in the files' names).
+  local libraries
+  libraries=$(ldd build/train_gpt 2>/dev/null | awk '/cublas|nccl|cudart/ { print $3 }' | xargs -r realpath |
+    xargs -r -n1 basename | paste -sd ' ')
+  say "The trainer loads: ${libraries:-(ldd names none of cuBLAS, cuBLASLt, NCCL, cudart)}."
+}
+
+# ctest_phase <target> <ctest arguments...>: builds the target (those tests), runs them, and
+# tables each test's result and time.
+ctest_phase() {
+  need_gpu || return 77
+  build_targets "$1" || return 1
+  shift
+  capture "$work/ctest.txt" ctest --test-dir build "$@" --output-on-failure --timeout 900
+  local status=$?
+  say "" "| test | result | time |" "|---|---|---|"
+  say "$(sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*(\*\*\*| +)(.*[^ ]) +([0-9.]+) sec$/| \1 | \3 | \4 s |/p' "$work/ctest.txt")"
+  say "" "$(grep -E '^[0-9]+% tests passed' "$work/ctest.txt" || echo "CTest gave no summary: see $phase.log.")"
+  return "$status"
+}
+
+phase_smoke() {
+  need_gpu || return 77
+  build_targets train_gpt || return 1
+  capture "$work/smoke.txt" bash tests/gpu/smoke_run.sh build/train_gpt
+  local status=$?
+  say "" "$(grep -E '^(validation losses|the trainer reports|smoke run passed|FAILED)' "$work/smoke.txt" | sed 's/^/- /')"
+  return "$status"
+}
+
+phase_self_check() {
+  need_gpu || return 77
+  build_targets train_gpt || return 1
+  local gpu status failed=0 out summary summaries=()
+  say "" "| GPU | check | rel. error | bound | verdict |" "|---|---|---|---|---|"
+  for gpu in "${gpus[@]}"; do
+    out=$work/self_check_$gpu.txt
+    capture "$out" env CUDA_VISIBLE_DEVICES="$gpu" NPROC=1 ./run.sh --self-check strict --self-check-only \
+      --log-dir "$work/logs" --checkpoint-dir "$work/checkpoints"
+    status=$?
+    if grep -q '^error: unknown flag --self-check' "$out"; then
+      say "" "MISSING: this trainer has no --self-check (\`error: unknown flag\`), the start-up self-check" \
+        "of issue 19: nothing was checked."
+      return 1
+    fi
+    say "$(sed -nE "s/^self-check ([^:]+): rel\. error ([^ ]+) \(bound ([^)]+)\) (.*)$/| $gpu | \1 | \2 | \3 | \4 |/p" "$out")"
+    summary=$(grep -m1 '^self-check: ' "$out")
+    case $status in
+      0) [[ -n $summary ]] || { summary="exit 0 but no self-check summary line"; failed=1; } ;;
+      6) failed=1 ;;
+      *) summary="${summary:+$summary; }the self-check did not finish: exit $status (self-check.log)"; failed=1 ;;
+    esac
+    summaries+=("- GPU $gpu: $summary")
+  done
+  say "" "${summaries[@]}"
+  return "$failed"
+}
+
+# oracle_run <W> <grad-comm> <checkpoint folder>: the trainer over W NCCL ranks (one, W = 1: no NCCL).
+oracle_run() {
+  capture "$work/oracle_run.txt" env NPROC="$1" ./run.sh "${oracle_flags[@]}" --grad-comm "$2" \
+    --checkpoint-dir "$3" --log-dir "$work/logs"
+}
+
+phase_nccl() {
+  need_gpu || return 77
+  local n=${#gpus[@]} worlds=() W mode dir status start failed=0 bound result
+  if ((n < 2)); then
+    say "One GPU: the oracle over NCCL ranks needs 2 or more; not applicable here."
+    return 0
+  fi
+  build_targets train_gpt || return 1
+  for W in 2 4 "$n"; do
+    if ((W <= n)) && [[ " ${worlds[*]} " != *" $W "* ]]; then worlds+=("$W"); fi
+  done
+  start=$SECONDS
+  oracle_run 1 fp32-rs "$work/oracle_W1"
+  status=$?
+  if ((status != 0)); then
+    say "The W = 1 run FAILED (exit $status): nothing to compare with (nccl.log)."
+    return 1
+  fi
+  local reference=("$work"/oracle_W1/step_*.ckpt)
+  say "The trainer for $oracle_steps steps (\`${oracle_flags[*]}\`), checkpoints compared with W = 1's" \
+    "(fp32-rs, one process, $((SECONDS - start)) s): the worst relative error of any parameter on any rank." \
+    "" "| grad-comm | W | worst relative error (parameter, rank) | bound | verdict | time |" "|---|---|---|---|---|---|"
+  for W in "${worlds[@]}"; do
+    for mode in fp32-rs bf16-rs a2a-fp32acc; do
+      start=$SECONDS
+      dir=$work/oracle_${mode}_W$W
+      bound=$bf16_bound
+      [[ $mode == fp32-rs ]] && bound=$fp32_bound
+      if oracle_run "$W" "$mode" "$dir"; then
+        capture "$work/compare.txt" python3 tools/compare_checkpoints.py --bound "$bound" "${reference[0]}" \
+          "$dir"/rank*/step_*.ckpt
+        status=$?
+        result=$(tail -1 "$work/compare.txt" | sed -E "s#^worst relative error ([^ ]+) \(([^,]+), $dir/(rank[0-9]+)/.*\), bound .*: (ok|FAILED)\$#\1 (\2, \3) | $bound | \4#")
+        ((status == 0)) || failed=1
+        ((status == 0 || status == 1)) || result="the comparison failed (exit $status): $(tail -1 "$work/compare.txt") | $bound | FAILED"
+      else
+        status=$?
+        result="the run FAILED (exit $status) | $bound | FAILED"
+        failed=1
+      fi
+      say "| $mode | $W | $result | $((SECONDS - start)) s |"
+      rm -rf "$dir"
+    done
+  done
+  return "$failed"
+}
+
+phase_bench() {
+  need_gpu || return 77
+  build_targets bench_kernels || return 1
+  capture "$work/bench_kernels.txt" build/bench_kernels 20
+  local status=$?
+  say "" "### Our kernels (\`build/bench_kernels 20\`)" "" "$(grep -v '^error' "$work/bench_kernels.txt")"
+  ((status == 0)) || { say "" "bench_kernels FAILED (exit $status)."; return 1; }
+  capture "$work/bench_torch.txt" python3 tools/bench_torch.py --ours "$work/bench_kernels.txt"
+  status=$?
+  say "" "### Beside PyTorch (\`tools/bench_torch.py\`; ours / torch below 1: ours is faster)" ""
+  say "$(grep -m1 -E '^[^|].*PyTorch' "$work/bench_torch.txt")" "" "$(grep '^|' "$work/bench_torch.txt")"
+  ((status == 0)) || say "" "bench_torch.py FAILED (exit $status): $(tail -1 "$work/bench_torch.txt")"
+  return "$status"
+}
+
+environment
+results=() worst=0
+for phase in "${phases[@]}"; do
+  log=$logs/$phase.log
+  : >"$log"
+  start=$SECONDS
+  echo "== $phase"
+  say "" "## $phase" "" "Started $(date '+%T'); its whole output: $phase.log."
+  case $phase in
+    build) phase_build ;;
+    tests) ctest_phase gpu_tests -L gpu -LE slow -E '^smoke_run$' ;;
+    slow) ctest_phase slow_gpu_tests -L slow -j 3 ;;
+    smoke) phase_smoke ;;
+    self-check) phase_self_check ;;
+    bench) phase_bench ;;
+    nccl) phase_nccl ;;
+  esac
+  status=$?
+  case $status in
+    0) verdict=passed ;;
+    77) verdict="no GPU: skipped" ;;
+    *) verdict=FAILED ;;
+  esac
+  say "" "**$phase: $verdict** ($((SECONDS - start)) s)"
+  results+=("| $phase | $verdict | $((SECONDS - start)) s |")
+  echo "$phase: $verdict"
+  if [[ $verdict == FAILED ]]; then
+    tail -n 30 "$log"
+    worst=1
+  elif ((status == 77 && worst == 0)); then
+    worst=77
+  fi
+done
+printf '\n| phase | result | time |\n|---|---|---|\n'
+printf '%s\n' "${results[@]}"
+echo "report: $report; the phases' output: $logs/"
+if ((worst == 1)); then
+  echo "Something failed: send $report and the failed phases' .log files from $logs/ (README: A new GPU machine)."
+fi
+exit $worst
