@@ -23,6 +23,7 @@
 #include <cstring>
 #include <functional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #define SPEEDRUN_EMULATED 1
@@ -94,6 +95,19 @@ SharedWindow dynamic_shared_window();
 template <typename T>
 T* dynamic_shared() {
   return static_cast<T*>(dynamic_shared_memory());
+}
+
+// reinterpret_cast<To>(p) for the kernels' casts to pointers (translate.py routes them here): a
+// GPU's access of a 4-, 8- or 16-byte vector (a bf16 pair as a word, uint2, Bf16x8, float4) at an
+// address that is not a multiple of its alignment faults ("misaligned address"), x86's does not,
+// so a cast to such an address stops the program here, naming `type` as written.
+[[noreturn]] void misaligned_cast(const char* type, const void* p, size_t alignment);
+template <typename To, typename From>
+To aligned_cast(const char* type, From* p) {
+  using Target = std::remove_cv_t<std::remove_pointer_t<To>>;
+  if constexpr (std::is_object_v<Target>)
+    if (reinterpret_cast<uintptr_t>(p) % alignof(Target)) misaligned_cast(type, p, alignof(Target));
+  return reinterpret_cast<To>(p);
 }
 
 struct LaunchConfig {

@@ -252,6 +252,13 @@ void position_read_outside_a_kernel() { fatal("threadIdx and friends read outsid
 
 void* dynamic_shared_memory() { return host.block.shared.data(); }
 
+void misaligned_cast(const char* type, const void* p, size_t alignment) {
+  char address[32];
+  std::snprintf(address, sizeof address, "%p", p);
+  fatal(std::string("misaligned address: ") + type + " at " + address + ", not a multiple of " +
+        std::to_string(alignment) + " bytes (a GPU faults on the access)");
+}
+
 void async_copy(void* shared, const void* global, size_t bytes) {
   if (bytes != kAsyncCopyBytes) fatal("cp.async of other than 16 bytes");
   PendingCopy c{shared, {}};
