@@ -5,10 +5,15 @@ against the CPU emulator (cuda_emulator.h, force-included):
   kernel<<<grid, block, smem, stream>>>(args)  ->  ::emu::launch(::emu::LaunchConfig(grid, ...), &kernel,
                                                    [](auto... emu_args) { kernel(emu_args...); }, args)
   extern __shared__ [__align__(n)] T name[];  ->  T* name = ::emu::dynamic_shared<T>();
+  __shared__ [__align__(n)] T a[N], b;         ->  auto& a = ::emu::static_shared<T[N]>(n, [] {});
+                                                   auto& b = ::emu::static_shared<T>(n, [] {});
   kernels/ptx.cuh                              ->  tests/emulator/ptx.cuh (the instructions on the CPU)
   reinterpret_cast<T*>(p) in kernels/          ->  ::emu::aligned_cast<T*>("T*", p) (refuses a pointer
                                                    less aligned than T, where the GPU faults)
 
+Each static __shared__ variable becomes a place in the block's static shared memory (the empty
+lambda makes each declaration a distinct template instance, hence a distinct place), which the
+emulator poisons as each block starts and counts against the GPU's limits.
 The call goes through a generic lambda so that a kernel template's arguments are deduced from the
 launch's arguments, as <<<>>> does; such a kernel's address (for the limits that
 cudaFuncSetAttribute sets) is then unknown and passed as null.
@@ -29,6 +34,8 @@ import sys
 KERNEL = r"[A-Za-z_][\w:]*(?:<[^<>;{}()]*(?:<[^<>;{}()]*>[^<>;{}()]*)*>)?"
 LAUNCH = re.compile(r"(" + KERNEL + r")\s*<<<(.*?)>>>\s*\((\s*\))?", re.S)
 EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
+STATIC_SHARED = re.compile(r"^(\s*)__shared__\s+(?:__align__\(\s*(\d+)\s*\)\s+)?([\w:]+)\s+([^;]+);", re.M)
+DECLARATOR = re.compile(r"\s*(\w+)\s*((?:\[[^\]]*\])*)\s*$")
 TEMPLATE_KERNEL = re.compile(r"template\s*<[^;{]*?>\s*__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(")
 POINTER_CAST = re.compile(r"reinterpret_cast<\s*([^<>;()]*?\*)\s*>\s*\(")
 SOURCES = ["train_gpt.cu", "kernels/*", "data/*.h", "tests/*.h", "tests/gpu/*", "tests/reference/*",
@@ -40,6 +47,15 @@ def check_pointer_casts(text):
     return POINTER_CAST.sub(lambda m: f'::emu::aligned_cast<{m.group(1)}>("{m.group(1)}", ', text)
 
 
+def static_shared(m):
+    indent, alignment, element, declarators = m.group(1), m.group(2) or "0", m.group(3), m.group(4)
+    places = []
+    for declarator in declarators.split(","):
+        name, extents = DECLARATOR.match(declarator).groups()
+        places.append(f"auto& {name} = ::emu::static_shared<{element}{extents}>({alignment}, [] {{}});")
+    return indent + " ".join(places)
+
+
 def rewrite(text, template_kernels):
     def launch(m):
         kernel, config, empty_args = m.group(1), " ".join(m.group(2).split()), m.group(3)
@@ -49,7 +65,8 @@ def rewrite(text, template_kernels):
         return head + ")" if empty_args else head + ", "
 
     text = LAUNCH.sub(launch, text)
-    return EXTERN_SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = ::emu::dynamic_shared<{m.group(1)}>();", text)
+    text = EXTERN_SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = ::emu::dynamic_shared<{m.group(1)}>();", text)
+    return STATIC_SHARED.sub(static_shared, text)
 
 
 def main(source_root, out_root):
