@@ -19,6 +19,8 @@
 #include "kernels/attention.cuh"
 #include "kernels/ptx.cuh"
 
+#include <initializer_list>
+
 namespace flash {
 
 constexpr int kTile = 128;                      // tokens per tile: the mask's block
@@ -465,21 +467,36 @@ void set_shared_memory(Kernel kernel, size_t bytes) {
 
 }  // namespace flash
 
-// cp.async copies 16-byte pieces: every row of q, k and v starts 16-byte aligned.
-inline void check_flash_attention_shape(const AttentionTensors& a, const AttentionMask& mask, const bf16* q,
-                                        const bf16* k, const bf16* v) {
+// A tensor the flash kernels access, and the alignment (bytes) its start needs: cp.async copies
+// 16-byte pieces of q, k, v and dy (rows) and of lse and delta (the backward's 128 statistics at
+// [h, 128 qb]); y, dq, dk and dv are written a bf16 pair (4 bytes) at a time. The rest is read or
+// written an element at a time.
+struct FlashAttentionOperand {
+  const char* name;
+  const void* start;
+  unsigned alignment;
+};
+constexpr unsigned kFlashCopiedAlignment = 16, kFlashWrittenAlignment = 4;
+
+// Refuses, naming the tensor, what would fault on the GPU (misaligned address) or compute garbage.
+inline void check_flash_attention_shape(const AttentionTensors& a, const AttentionMask& mask,
+                                        std::initializer_list<FlashAttentionOperand> operands) {
   static_assert(flash::kTile == kAttentionBlock, "a flash tile is one mask block");
   check_attention_shape(a, mask);
   if (a.q_stride % 8 || a.k_stride % 8 || a.v_stride % 8)
     throw std::invalid_argument("flash attention: row strides must be multiples of 8 elements (16-byte rows)");
-  if (reinterpret_cast<uintptr_t>(q) % 16 || reinterpret_cast<uintptr_t>(k) % 16 || reinterpret_cast<uintptr_t>(v) % 16)
-    throw std::invalid_argument("flash attention: q, k and v must start 16-byte aligned");
+  for (const FlashAttentionOperand& o : operands)
+    if (reinterpret_cast<uintptr_t>(o.start) % o.alignment)
+      throw std::invalid_argument(std::string("flash attention: ") + o.name + " must start " +
+                                  std::to_string(o.alignment) + "-byte aligned");
 }
 
 // y: [T, H, 128], lse: [H, T]
 inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
                                     const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
-  check_flash_attention_shape(a, mask, q, k, v);
+  check_flash_attention_shape(a, mask,
+                              {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
+                               {"v", v, kFlashCopiedAlignment}, {"y", y, kFlashWrittenAlignment}});
   const size_t smem = flash::kForwardSharedBytes;
   flash::set_shared_memory(flash::forward_kernel, smem);
   flash::forward_kernel<<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(q, k, v, y, lse, a,
@@ -491,7 +508,12 @@ inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v,
 inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
                                      const float* lse, float* delta, bf16* dq, bf16* dk, bf16* dv,
                                      const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
-  check_flash_attention_shape(a, mask, q, k, v);
+  check_flash_attention_shape(a, mask,
+                              {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
+                               {"v", v, kFlashCopiedAlignment}, {"dy", dy, kFlashCopiedAlignment},
+                               {"lse", lse, kFlashCopiedAlignment}, {"delta", delta, kFlashCopiedAlignment},
+                               {"dq", dq, kFlashWrittenAlignment}, {"dk", dk, kFlashWrittenAlignment},
+                               {"dv", dv, kFlashWrittenAlignment}});
   attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
   CUDA_CHECK_LAUNCH();
   const size_t smem = flash::kBackwardSharedBytes;

@@ -1,13 +1,16 @@
 // cuBLASLt's matmul on the CPU, for the descriptors the trainer builds: column-major
 // D = alpha * scale_a * scale_b * op(A) op(B) + beta * C with bf16 or FP8 (e4m3, e5m2) operands,
-// fp32 accumulation, bf16 or fp32 C = D, strided batches. It answers as the library does where the
-// library refuses (mismatched shapes, a leading dimension below the rows, FP8 outside the "TN"
-// layout or as e5m2 x e5m2, a buffer less aligned than the heuristic was told), and refuses every
-// attribute it does not emulate rather than ignore it.
+// fp32 accumulation (FP8: as Hopper's tensor cores accumulate, with or without fast accumulation,
+// see fp8_tensor_core_dot), bf16 or fp32 C = D, strided batches. It answers as the library does
+// where the library refuses (mismatched shapes, a leading dimension below the rows, FP8 outside the
+// "TN" layout or as e5m2 x e5m2, a buffer less aligned than the heuristic was told), and refuses
+// every attribute it does not emulate rather than ignore it.
 #include "emulator/cuda_emulator.h"
 
 #include <cublasLt.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -105,6 +108,68 @@ float dot(const float* a, const float* b, size_t n) {
   for (; i < n; ++i) sum += a[i] * b[i];
   for (float p : partial) sum += p;
   return sum;
+}
+
+// Hopper's FP8 tensor cores do not accumulate in fp32. What is known of them:
+// - DeepSeek-V3 technical report (arXiv 2412.19437), sec. 3.3.2 and 3.5.2, in the wording quoted
+//   in github.com/deepseek-ai/DeepSeek-V3/issues/847: "After aligning 32 mantissa products by
+//   right-shifting based on the maximum exponent, the Tensor Core only uses the highest 14 bits of
+//   each mantissa product for addition, and truncates bits exceeding this range. The accumulation
+//   of addition results into registers also employs 14-bit precision." They promote the partial
+//   sums to fp32 every 128 elements ("4 WGMMAs"). Their ISCA 2025 paper (arXiv 2505.09343) names
+//   the register FP22: 1 sign, 8 exponent and 13 mantissa bits.
+// - SageAttention2 (arXiv 2411.10958, quoted in github.com/thu-ml/SageAttention/issues/287): with
+//   A = B = 0, mma(f32.e4m3.e4m3.f32) returns the accumulator D with all but 13 mantissa bits
+//   zeroed, i.e. truncated to e8m13.
+// - CUTLASS (include/cutlass/gemm/collective/fp8_accumulation.hpp, GmmaFP8Accumulation, used by
+//   sm90_mma_tma_gmma_ss_warpspecialized_fp8.hpp): without "FastAccum" the wgmma accumulator is
+//   added into an fp32 one (FADD) and zeroed every mma_promotion_interval = 4 wgmma k-blocks of
+//   32 (128 elements); its FastAccum kernels keep the wgmma accumulator over the whole K.
+// - cuBLASLt (CUBLASLT_MATMUL_DESC_FAST_ACCUM): "intermediate results will not periodically be
+//   promoted to a higher precision"; the library does not document its interval (CUTLASS's 128
+//   is assumed here; NVIDIA/cutlass#1329: "cublas doc is the best one").
+// Modelled so: a k-step is 32 products (wgmma's k for 8-bit operands), each exact (FP8 times FP8
+// fits fp32), truncated toward zero below the 13th bit under the largest product's leading bit;
+// their exact sum is added to the running accumulator and the result truncated toward zero to
+// e8m13. The "highest 14 bits" count from the top of a product field two integer bits wide, so
+// they keep 13 or 14 bits of the largest product: 13, the fewer, is modelled. Without fast
+// accumulation each 128 elements' accumulator is added into fp32 and restarts from zero. Not
+// known, to be calibrated on an H100: whether the sign-filled shift truncates negative products
+// toward minus infinity rather than zero (toward zero is modelled).
+constexpr size_t kFp8MmaK = 32;
+constexpr size_t kFp8PromotionInterval = 4 * kFp8MmaK;
+constexpr int kFp8ProductBitsBelowLeading = 12;     // 13 bits of the largest product kept
+constexpr int kFp8AccumulatorFractionBits = 13;     // e8m13
+
+// x truncated toward zero to a multiple of 2^lsb_exponent.
+double truncated(double x, int lsb_exponent) { return std::ldexp(std::trunc(std::ldexp(x, -lsb_exponent)), lsb_exponent); }
+
+// The tensor core's accumulator after one k-step: acc + the n <= 32 products a[i] b[i].
+float fp8_mma_step(float acc, const float* a, const float* b, size_t n) {
+  float products[kFp8MmaK], largest = 0;
+  for (size_t i = 0; i < n; ++i) {
+    products[i] = a[i] * b[i];
+    largest = std::max(largest, std::fabs(products[i]));
+  }
+  if (largest == 0) return acc;
+  const int lsb = std::ilogb(largest) - kFp8ProductBitsBelowLeading;
+  double sum = acc;  // exact while the accumulator is within 2^39 of the largest product
+  for (size_t i = 0; i < n; ++i) sum += truncated(products[i], lsb);
+  return sum == 0 ? 0.0f : float(truncated(sum, std::ilogb(sum) - kFp8AccumulatorFractionBits));
+}
+
+// sum of a[i] b[i] as Hopper's FP8 tensor cores and cuBLASLt's kernels form it (see above).
+float fp8_tensor_core_dot(const float* a, const float* b, size_t k, bool fast_accum) {
+  float promoted = 0, accumulator = 0;
+  for (size_t k0 = 0; k0 < k; k0 += kFp8MmaK) {
+    accumulator = fp8_mma_step(accumulator, a + k0, b + k0, std::min(kFp8MmaK, k - k0));
+    const bool chunk_done = (k0 + kFp8MmaK) % kFp8PromotionInterval == 0 || k0 + kFp8MmaK >= k;
+    if (!fast_accum && chunk_done) {
+      promoted += accumulator;
+      accumulator = 0;
+    }
+  }
+  return fast_accum ? accumulator : promoted;
 }
 
 // Every batch's buffer at least `promised` bytes aligned, and its columns 16 (the tensor cores' loads).
@@ -241,7 +306,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
   if (!aligned(A, a, promised.bytes[0]) || !aligned(B, b, promised.bytes[1]) || !aligned(C, c, promised.bytes[2]) ||
       !aligned(D, dl, promised.bytes[3]))
     return CUBLAS_STATUS_INVALID_VALUE;
-  const bool ta = d.trans_a == CUBLAS_OP_T, tb = d.trans_b == CUBLAS_OP_T;
+  const bool ta = d.trans_a == CUBLAS_OP_T, tb = d.trans_b == CUBLAS_OP_T, fp8 = is_fp8(a.type);
   const size_t m = dl.rows, n = dl.cols, k = ta ? a.rows : a.cols;
   const float scale = *static_cast<const float*>(alpha) * (d.a_scale ? *d.a_scale : 1.0f) *
                       (d.b_scale ? *d.b_scale : 1.0f),
@@ -252,7 +317,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     const size_t c_offset = size_t(batch) * c.stride, d_offset = size_t(batch) * dl.stride;
     for (size_t j = 0; j < n; ++j)
       for (size_t i = 0; i < m; ++i) {
-        float value = scale * dot(&op_a[i * k], &op_b[j * k], k);
+        const float* row = &op_a[i * k];
+        const float* column = &op_b[j * k];
+        float value = scale * (fp8 ? fp8_tensor_core_dot(row, column, k, d.fast_accum) : dot(row, column, k));
         if (beta_value != 0) value += beta_value * element(C, c.type, c_offset + i + j * c.ld);
         const size_t at = d_offset + i + j * dl.ld;
         if (dl.type == CUDA_R_32F)

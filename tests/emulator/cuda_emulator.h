@@ -1,8 +1,9 @@
 // A CPU emulator of the CUDA the kernels use, so that the GPU tests also run where there is no GPU
 // (CI, and every session without one). Force-included (-include) into sources that
 // tests/emulator/translate.py has rewritten: `k<<<grid, block, smem, stream>>>(args)` becomes
-// emu::launch(...), `extern __shared__ T name[]` becomes emu::dynamic_shared<T>(), and
-// kernels/ptx.cuh is replaced by tests/emulator/ptx.cuh.
+// emu::launch(...), `extern __shared__ T name[]` becomes emu::dynamic_shared<T>(), each static
+// `__shared__` variable emu::static_shared<T>(), and kernels/ptx.cuh is replaced by
+// tests/emulator/ptx.cuh.
 //
 // Each CUDA thread of a block is a fiber (its own stack, switched cooperatively on one host
 // thread), so __syncthreads and the warp-synchronous operations (shuffles, wgmma's fragments) meet
@@ -11,7 +12,9 @@
 // events only order what is already ordered). What this cannot show: races between streams,
 // timing, and the GPU's own rounding of fast intrinsics (__expf is expf here).
 #pragma once
-#define __shared__ static thread_local  // per host thread: simulated ranks launch concurrently
+// translate.py rewrites every __shared__ declaration; one it missed would otherwise compile as a
+// per-thread local (CUDA's headers define __shared__ as nothing for a host compiler).
+#define __shared__ static_assert(false, "a __shared__ declaration that translate.py did not rewrite");
 #define __launch_bounds__(...)
 
 #include <cuda_bf16.h>
@@ -23,6 +26,7 @@
 #include <cstring>
 #include <functional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #define SPEEDRUN_EMULATED 1
@@ -94,6 +98,36 @@ SharedWindow dynamic_shared_window();
 template <typename T>
 T* dynamic_shared() {
   return static_cast<T*>(dynamic_shared_memory());
+}
+
+// A static __shared__ variable: `bytes` of the block's static shared memory, the same for every
+// thread of the block, placed at the first call of the launch (each declaration has its own
+// StaticSharedPlace) and poisoned as each block starts, as the GPU's holds garbage then. The
+// static and dynamic shared memory of a block count together against the GPU's limits.
+struct StaticSharedPlace {
+  uint64_t launch = 0;  // the launch the offset was placed in
+  size_t offset = 0;
+};
+void* static_shared_memory(StaticSharedPlace& place, size_t bytes, size_t alignment);
+// `Site` is the declaration's own empty lambda: one place per declaration (and per instance of a
+// template kernel, as on the GPU).
+template <typename T, typename Site>
+T& static_shared(size_t alignment, Site) {
+  static thread_local StaticSharedPlace place;  // per host thread: simulated ranks launch concurrently
+  return *static_cast<T*>(static_shared_memory(place, sizeof(T), alignment > alignof(T) ? alignment : alignof(T)));
+}
+
+// reinterpret_cast<To>(p) for the kernels' casts to pointers (translate.py routes them here): a
+// GPU's access of a 4-, 8- or 16-byte vector (a bf16 pair as a word, uint2, Bf16x8, float4) at an
+// address that is not a multiple of its alignment faults ("misaligned address"), x86's does not,
+// so a cast to such an address stops the program here, naming `type` as written.
+[[noreturn]] void misaligned_cast(const char* type, const void* p, size_t alignment);
+template <typename To, typename From>
+To aligned_cast(const char* type, From* p) {
+  using Target = std::remove_cv_t<std::remove_pointer_t<To>>;
+  if constexpr (std::is_object_v<Target>)
+    if (reinterpret_cast<uintptr_t>(p) % alignof(Target)) misaligned_cast(type, p, alignof(Target));
+  return reinterpret_cast<To>(p);
 }
 
 struct LaunchConfig {

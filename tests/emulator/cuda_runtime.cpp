@@ -5,6 +5,7 @@
 #include "emulator/cuda_emulator.h"
 #include "emulator/runtime.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -45,6 +46,13 @@ size_t max_dynamic_shared_bytes(const void* kernel) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = shared_limits.find(kernel);
   return it == shared_limits.end() ? kDefaultDynamicShared : it->second;
+}
+
+size_t static_shared_budget(const void* kernel, size_t dynamic_bytes) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = shared_limits.find(kernel);
+  const size_t left = it == shared_limits.end() ? kDefaultDynamicShared - dynamic_bytes : kMaxDynamicShared - it->second;
+  return std::min(left, kDefaultDynamicShared);
 }
 
 }  // namespace emu

@@ -8,5 +8,10 @@ namespace emu {
 
 void record_launch_error(cudaError_t error);
 size_t max_dynamic_shared_bytes(const void* kernel);  // 48 KiB unless cudaFuncSetAttribute raised it
+// The most static shared memory a block of `kernel` with `dynamic_bytes` of dynamic shared memory
+// may have beside it: 48 KiB in all, or, once cudaFuncSetAttribute set the kernel's dynamic limit,
+// 227 KiB with that limit (the GPU refuses the attribute or the launch past these); and never
+// more than 48 KiB (ptxas's limit on static shared memory).
+size_t static_shared_budget(const void* kernel, size_t dynamic_bytes);
 
 }  // namespace emu

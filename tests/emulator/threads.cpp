@@ -60,6 +60,7 @@ constexpr size_t kStackBytes = size_t(256) << 10;
 constexpr size_t kGuardBytes = 4096;
 constexpr int kMaxThreadsPerBlock = 1024;
 constexpr size_t kSlotBytes = 32;
+constexpr size_t kMaxStaticSharedBytes = size_t(48) << 10;  // ptxas's limit
 
 [[noreturn]] void fatal(const std::string& what) {
   std::fprintf(stderr, "CUDA emulator: %s\n", what.c_str());
@@ -128,6 +129,10 @@ struct Fiber {
   }
 };
 
+struct StaticSharedMemory {
+  alignas(256) unsigned char bytes[kMaxStaticSharedBytes];
+};
+
 // The block being run on this host thread.
 struct Block {
   std::vector<Fiber> fibers;
@@ -137,6 +142,11 @@ struct Block {
   uint64_t progress = 0;  // counts arrivals at barriers and warp operations, and exits
   int unfenced_threads = 0;  // fibers whose copies_unfenced is set
   std::vector<unsigned char> shared;  // dynamic shared memory
+  // Static shared memory: placed variable by variable as a launch first reaches each (the GPU
+  // knows them all at the launch), poisoned up to static_bytes as each block starts.
+  std::unique_ptr<StaticSharedMemory> static_shared = std::make_unique<StaticSharedMemory>();
+  size_t static_bytes = 0, static_budget = 0;  // placed in this launch; the most the launch may place
+  uint64_t launch = 0;  // this host thread's launches so far: when a StaticSharedPlace was placed
   const std::function<void()>* body = nullptr;
 };
 
@@ -235,6 +245,7 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   b.unfenced_threads = 0;
   // Shared memory starts as garbage on the GPU: poisoned here, so a read before a write shows.
   std::memset(b.shared.data(), 0xFF, b.shared.size());
+  std::memset(b.static_shared->bytes, 0xFF, b.static_bytes);
   while (b.live > 0) {
     const uint64_t progress = b.progress;
     for (int w = 0; w < warps; ++w) run_warp_to_barrier(b, w);
@@ -251,6 +262,29 @@ thread_local const ThreadPosition* running_position = nullptr;
 void position_read_outside_a_kernel() { fatal("threadIdx and friends read outside a kernel"); }
 
 void* dynamic_shared_memory() { return host.block.shared.data(); }
+
+void* static_shared_memory(StaticSharedPlace& place, size_t bytes, size_t alignment) {
+  if (!host.running) fatal("a __shared__ variable reached outside a kernel");
+  Block& b = host.block;
+  if (place.launch != b.launch) {
+    const size_t offset = (b.static_bytes + alignment - 1) / alignment * alignment;
+    if (offset + bytes > b.static_budget)
+      fatal(std::to_string(offset + bytes) + " bytes of static __shared__ variables beside " +
+            std::to_string(b.shared.size()) + " bytes of dynamic shared memory: more than the GPU lets this kernel " +
+            "have (48 KiB in all, or 227 KiB with its dynamic limit raised; static at most 48 KiB)");
+    std::memset(b.static_shared->bytes + b.static_bytes, 0xFF, offset + bytes - b.static_bytes);
+    b.static_bytes = offset + bytes;
+    place = {b.launch, offset};
+  }
+  return b.static_shared->bytes + place.offset;
+}
+
+void misaligned_cast(const char* type, const void* p, size_t alignment) {
+  char address[32];
+  std::snprintf(address, sizeof address, "%p", p);
+  fatal(std::string("misaligned address: ") + type + " at " + address + ", not a multiple of " +
+        std::to_string(alignment) + " bytes (a GPU faults on the access)");
+}
 
 void async_copy(void* shared, const void* global, size_t bytes) {
   if (bytes != kAsyncCopyBytes) fatal("cp.async of other than 16 bytes");
@@ -382,6 +416,9 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
   Block& b = host.block;
   b.body = &body;
   b.shared.resize(c.shared_bytes);  // poisoned as each block starts
+  ++b.launch;
+  b.static_bytes = 0;
+  b.static_budget = static_shared_budget(kernel, c.shared_bytes);
   for (unsigned z = 0; z < c.grid.z; ++z)
     for (unsigned y = 0; y < c.grid.y; ++y)
       for (unsigned x = 0; x < c.grid.x; ++x) run_block(c, dim3(x, y, z));

@@ -5,13 +5,24 @@ against the CPU emulator (cuda_emulator.h, force-included):
   kernel<<<grid, block, smem, stream>>>(args)  ->  ::emu::launch(::emu::LaunchConfig(grid, ...), &kernel,
                                                    [](auto... emu_args) { kernel(emu_args...); }, args)
   extern __shared__ [__align__(n)] T name[];  ->  T* name = ::emu::dynamic_shared<T>();
+  __shared__ [__align__(n)] T a[N], b;         ->  auto& a = ::emu::static_shared<T[N]>(n, [] {});
+                                                   auto& b = ::emu::static_shared<T>(n, [] {});
   kernels/ptx.cuh                              ->  tests/emulator/ptx.cuh (the instructions on the CPU)
+  reinterpret_cast<T*>(p) in kernels/          ->  ::emu::aligned_cast<T*>("T*", p) (refuses a pointer
+                                                   less aligned than T, where the GPU faults)
 
+Each static __shared__ variable becomes a place in the block's static shared memory (the empty
+lambda makes each declaration a distinct template instance, hence a distinct place), which the
+emulator poisons as each block starts and counts against the GPU's limits.
 The call goes through a generic lambda so that a kernel template's arguments are deduced from the
 launch's arguments, as <<<>>> does; such a kernel's address (for the limits that
 cudaFuncSetAttribute sets) is then unknown and passed as null.
-Top-level test sources (tests/gpu/test_*.cu) are written as .cpp; everything else keeps its name
-and path, so #include lines resolve inside OUT.
+The kernels reach 4-, 8- and 16-byte vectors (Bf16x8, float4, uint2, a bf16 pair as a word) through
+reinterpret_cast; a GPU faults on such an access at an address that is not a multiple of its size,
+a CPU does not, so the emulator checks every cast to a pointer in kernels/ (the kernels themselves
+stay free of emulator code).
+Top-level test sources (tests/gpu/test_*.cu, and the emulator's own tests/emulator/test_*.cu) are
+written as .cpp; everything else keeps its name and path, so #include lines resolve inside OUT.
 Usage: translate.py SOURCE_ROOT OUT_ROOT
 """
 import pathlib
@@ -23,8 +34,26 @@ import sys
 KERNEL = r"[A-Za-z_][\w:]*(?:<[^<>;{}()]*(?:<[^<>;{}()]*>[^<>;{}()]*)*>)?"
 LAUNCH = re.compile(r"(" + KERNEL + r")\s*<<<(.*?)>>>\s*\((\s*\))?", re.S)
 EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
+STATIC_SHARED = re.compile(r"^(\s*)__shared__\s+(?:__align__\(\s*(\d+)\s*\)\s+)?([\w:]+)\s+([^;]+);", re.M)
+DECLARATOR = re.compile(r"\s*(\w+)\s*((?:\[[^\]]*\])*)\s*$")
 TEMPLATE_KERNEL = re.compile(r"template\s*<[^;{]*?>\s*__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(")
-SOURCES = ["train_gpt.cu", "kernels/*", "data/*.h", "tests/*.h", "tests/gpu/*", "tests/reference/*"]
+POINTER_CAST = re.compile(r"reinterpret_cast<\s*([^<>;()]*?\*)\s*>\s*\(")
+SOURCES = ["train_gpt.cu", "kernels/*", "data/*.h", "tests/*.h", "tests/gpu/*", "tests/reference/*",
+           "tests/emulator/test_*.cu"]
+TEST_FOLDERS = ("tests/gpu", "tests/emulator")
+
+
+def check_pointer_casts(text):
+    return POINTER_CAST.sub(lambda m: f'::emu::aligned_cast<{m.group(1)}>("{m.group(1)}", ', text)
+
+
+def static_shared(m):
+    indent, alignment, element, declarators = m.group(1), m.group(2) or "0", m.group(3), m.group(4)
+    places = []
+    for declarator in declarators.split(","):
+        name, extents = DECLARATOR.match(declarator).groups()
+        places.append(f"auto& {name} = ::emu::static_shared<{element}{extents}>({alignment}, [] {{}});")
+    return indent + " ".join(places)
 
 
 def rewrite(text, template_kernels):
@@ -36,7 +65,8 @@ def rewrite(text, template_kernels):
         return head + ")" if empty_args else head + ", "
 
     text = LAUNCH.sub(launch, text)
-    return EXTERN_SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = ::emu::dynamic_shared<{m.group(1)}>();", text)
+    text = EXTERN_SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = ::emu::dynamic_shared<{m.group(1)}>();", text)
+    return STATIC_SHARED.sub(static_shared, text)
 
 
 def main(source_root, out_root):
@@ -48,11 +78,14 @@ def main(source_root, out_root):
         relative = path.relative_to(source_root)
         if relative.as_posix() == "kernels/ptx.cuh":
             path = source_root / "tests/emulator/ptx.cuh"
-        if relative.parent.as_posix() == "tests/gpu" and relative.name.startswith("test_"):
+        text = path.read_text()
+        if relative.parts[0] == "kernels":
+            text = check_pointer_casts(text)  # before the launches add casts of kernel addresses
+        if relative.parent.as_posix() in TEST_FOLDERS and relative.name.startswith("test_"):
             relative = relative.with_suffix(".cpp")
         target = out_root / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = rewrite(path.read_text(), template_kernels)
+        text = rewrite(text, template_kernels)
         if not target.exists() or target.read_text() != text:  # unchanged files keep their time stamps
             target.write_text(text)
 

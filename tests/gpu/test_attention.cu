@@ -8,6 +8,9 @@
 #include "reference/model.h"
 #include "reference/synthetic.h"
 
+#include <cstring>
+#include <string>
+
 namespace {
 
 constexpr double kBf16Bound = 5e-3;
@@ -227,6 +230,38 @@ TEST_CASE("single document, documents on block boundaries, a 16-block sequence, 
   check_both(layout(128 * 10, 200.0, 404), 7, 405, true, 6, Scores::gaussian, baseline);
   for (int window : {1, 6, 14})
     check_both(layout(128 * 14, 400.0, 406 + window), window, 420 + window, true, 6, Scores::qk_normed, baseline);
+}
+
+// Each tensor the flash kernels copy 16 bytes at a time (cp.async) or store a bf16 pair at a time,
+// one element off its allocation's start: refused before any launch, by name (a GPU would stop
+// at the kernel with "misaligned address", the emulator too).
+TEST_CASE("flash attention refuses each tensor one element off its alignment, naming it") {
+  const int T = 2 * kAttentionBlock, H = 1;
+  const std::vector<uint16_t> tokens = layout(T, 100.0, 500);
+  std::vector<int32_t> docs = attention_document_ids(tokens.data(), T, kBos);
+  AttentionBlockLists lists = build_attention_blocks(docs, 2);
+  StagedUploads uploads;
+  uploads.reset(AttentionMask::upload_bytes(docs, lists));
+  AttentionMask mask(docs, lists, uploads, 0);
+  const size_t n = size_t(T) * H * D + 1, statistics = size_t(T) * H + 1;  // room for one element off
+  DeviceBuffer<bf16> q(n), k(n), v(n), y(n), dy(n), dq(n), dk(n), dv(n);
+  DeviceBuffer<float> lse(statistics), delta(statistics);
+  const AttentionTensors a{T, H, H * D, H * D, H * D};
+  // `buffer` one element past its start if it is the one named `off`.
+  auto at = [](auto& buffer, const char* name, const char* off) { return buffer.get() + (std::strcmp(name, off) == 0); };
+  for (const char* off : {"q", "k", "v", "y"}) {
+    const std::string refusal = std::string("flash attention: ") + off + " must start";
+    CHECK_THROWS_WITH(flash_attention_forward(at(q, "q", off), at(k, "k", off), at(v, "v", off), at(y, "y", off),
+                                              lse.get(), a, mask, 0),
+                      refusal.c_str());
+  }
+  for (const char* off : {"q", "k", "v", "dy", "lse", "delta", "dq", "dk", "dv"}) {
+    const std::string refusal = std::string("flash attention: ") + off + " must start";
+    CHECK_THROWS_WITH(flash_attention_backward(at(q, "q", off), at(k, "k", off), at(v, "v", off), y.get(),
+                                               at(dy, "dy", off), at(lse, "lse", off), at(delta, "delta", off),
+                                               at(dq, "dq", off), at(dk, "dk", off), at(dv, "dv", off), a, mask, 0),
+                      refusal.c_str());
+  }
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -8,13 +8,20 @@
 // - the three products against fp64 sums over the same FP8 operands, at a small shape and the
 //   record's chunk (8192 x 50304 x 768, rows and vocabulary entries sampled), the weight gradient
 //   accumulating over two backward calls;
+// - the accumulation alone (fp32 out, the record's K = 768), with and without fast accumulation;
 // - the reference model's FP8 head (tests/reference/model.h), which divides in fp64: operands at
 //   most one FP8 step apart, and almost never apart, on natural inputs; equal products on inputs
 //   where both round alike.
 // Bounds (../.library/device/METHOD.md): bf16 outputs 1e-2 (one bf16 rounding ~1e-3, plus the
 // forward's fast accumulation); the fp32 weight gradient 2e-3, not fp32's 1e-4: FP8 products are
 // exact, but Hopper's FP8 tensor cores keep only ~14 bits in the partial sums they hand to fp32
-// (every 4 MMAs of 32 products without fast accumulation), ~5e-4 of each partial.
+// (every 4 MMAs of 32 products without fast accumulation), ~5e-4 of each partial; fast
+// accumulation 5e-3: over K = 768 the 14-bit accumulator is truncated 24 times, each by up to
+// 2^-13 of itself, 3e-3 were every step to lose the most in one direction.
+// The emulator models that accumulation (tests/emulator/cublaslt.cpp, docs/PERF.md 2026-11-25):
+// there the logits' error is 1.68e-3 (1.65e-3 with fp32 accumulation), the weight gradient's
+// 1.4e-4 (7.6e-8), the accumulation alone 1.2e-4 promoted and 5.0e-4 fast (2.5e-8); were
+// negative products floored instead of truncated, 4.7e-3, 5.6e-4, 6.9e-4 and 1.0e-3.
 #include "gpu/gpu_test.h"
 #include "kernels/fp8_head.cuh"
 #include "reference/fp8.h"
@@ -25,7 +32,7 @@
 
 namespace {
 
-constexpr double kBf16Bound = 1e-2, kFp32Bound = 2e-3;
+constexpr double kBf16Bound = 1e-2, kFp32Bound = 2e-3, kFastAccumulationBound = 5e-3;
 // The reference model quantises x / s computed in fp64, the GPU x times the fp32 reciprocal in
 // fp32: the two round apart (by one FP8 step) only where the product's ~1e-7 relative error
 // straddles an FP8 midpoint, a few values in a million (never for the gradient: 448 is exact).
@@ -358,6 +365,34 @@ TEST_CASE("the loss's e5m2 gradient: the cast of the bf16 gradient byte for byte
 TEST_CASE("forward, dx and accumulated dW against fp64 sums over the same FP8 operands") {
   check_products(256, 1024, 256, 256, 1024, 21);
   if (at_record_shapes("the record's chunk")) check_products(8192, 50304, 768, 24, 48, 22);
+}
+
+// The accumulation alone, where the bf16 logits' own rounding (~1.7e-3 above) does not hide it: the
+// logits' product (e4m3 x e4m3) with fp32 out at the record's K = d = 768, with and without fast
+// accumulation, against fp64 sums of the same FP8 operands. Gaussian x (RMS-normalised) and w.
+TEST_CASE("the FP8 product's accumulation alone (fp32 out) at the record's K = 768, fast and promoted") {
+  const int rows = 256, V = 256, d = 768;
+  Fp8Head head(rows, V, d);
+  std::vector<double> w = random_normal(size_t(V) * d, 42, 0.5);
+  DeviceBuffer<bf16> d_x(to_bf16(random_normal(size_t(rows) * d, 41)));
+  DeviceBuffer<float> d_w(std::vector<float>(w.begin(), w.end()));
+  head.quantize_weight(d_w.get(), 0);
+  head.quantize_input(d_x.get(), rows, 0);
+  Fp8HeadOperands op = head.operands();
+  const std::vector<double> want =
+      products_nt(decode_rows(download_bytes(op.x, size_t(rows) * d), d, spread(rows, rows), kE4M3),
+                  decode_rows(download_bytes(op.w, size_t(V) * d), d, spread(V, V), kE4M3), d, 1.0);
+  Matmul matmul;
+  DeviceBuffer<float> out(size_t(rows) * V);
+  auto product = [&](bool fast_accum) {
+    out.poison();
+    MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, nullptr, nullptr, fast_accum};
+    matmul(op.x, Transpose::N, op.w, Transpose::T, out.get(), rows, V, d, CUDA_R_32F, o, 0);
+    return rows_of(out.download(), V, spread(rows, rows));
+  };
+  const std::vector<double> promoted = product(false), fast = product(true);
+  CHECK_REL_ERROR(promoted, want, kFp32Bound);
+  CHECK_REL_ERROR(fast, want, kFastAccumulationBound);
 }
 
 TEST_CASE("against the reference model's FP8 head (SPEC 1.5 in fp64)") {
