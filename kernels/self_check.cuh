@@ -87,10 +87,14 @@ struct SelfCheckShape {
 
 namespace self_check {
 
-// Bounds of the GPU tests: bf16 outputs of the same operands (test_attention, test_fp8_head,
-// test_residual), fp32 sums of FP8 products (test_fp8_head), and the two Muon paths, which differ
-// only in cuBLASLt's choice of algorithm for a batch or a single matrix.
-constexpr double kBf16Bound = 5e-3, kFp8ProductBound = 1e-2, kFp8WeightGradBound = 2e-3, kMuonBound = 1e-2;
+// Bounds from the GPU tests'. Two bf16 paths that each stay within test_attention's and
+// test_residual's 5e-3 of the exact result may differ by twice that (the emulator measured
+// 2.8-3.0e-3 for attention, 1.7-2.2e-3 for the residual adds), where a wrong layout or operand
+// gives errors of order 1. The FP8 products against bf16 products of the same FP8 values differ
+// only by the tensor cores' accumulation and the output's rounding (test_fp8_head's bounds: bf16
+// outputs 1e-2, the fp32 weight gradient 2e-3). The two Muon paths differ only in cuBLASLt's
+// choice of algorithm for a batch or a single matrix.
+constexpr double kBf16PathsBound = 1e-2, kFp8ProductBound = 1e-2, kFp8WeightGradBound = 2e-3, kMuonBound = 1e-2;
 // The two gradient paths store the same fp32 value through the same two roundings: equal bytes
 // (this bound leaves room for a compiler contracting one instantiation's arithmetic differently).
 constexpr double kE5m2Bound = 1e-3;
@@ -319,7 +323,7 @@ inline std::vector<SelfCheckResult> run_self_check(const SelfCheckShape& s, cons
   std::vector<SelfCheckResult> results;
   for (int window : {1, 3, 14})
     results.push_back({"flash attention, window " + std::to_string(window), &KernelPaths::flash_attention,
-                       attention_error(s, tokens, bos, window, stream), kBf16Bound});
+                       attention_error(s, tokens, bos, window, stream), kBf16PathsBound});
   for (SelfCheckResult& r : fp8_head_checks(s, matmul, stream)) results.push_back(std::move(r));
   const int d = s.model_dim;
   results.push_back({"batched Muon " + std::to_string(d) + "x" + std::to_string(d), &KernelPaths::batched_muon,
@@ -327,9 +331,9 @@ inline std::vector<SelfCheckResult> run_self_check(const SelfCheckShape& s, cons
   results.push_back({"batched Muon " + std::to_string(4 * d) + "x" + std::to_string(d), &KernelPaths::batched_muon,
                      muon_error(4 * d, d, 2, matmul, stream), kMuonBound});
   results.push_back({"residual as cuBLASLt's C, k = " + std::to_string(d), &KernelPaths::fused_residual_add,
-                     residual_error(s.residual_rows, d, d, matmul, stream), kBf16Bound});
+                     residual_error(s.residual_rows, d, d, matmul, stream), kBf16PathsBound});
   results.push_back({"residual as cuBLASLt's C, k = " + std::to_string(4 * d), &KernelPaths::fused_residual_add,
-                     residual_error(s.residual_rows, d, 4 * d, matmul, stream), kBf16Bound});
+                     residual_error(s.residual_rows, d, 4 * d, matmul, stream), kBf16PathsBound});
   return results;
 }
 
