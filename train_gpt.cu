@@ -1964,7 +1964,7 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
   const auto start = std::chrono::steady_clock::now();
   const std::vector<uint16_t> layout = self_check_layout(val, shape.attention_tokens, bos);
   Matmul matmul;
-  const std::vector<SelfCheckResult> results = run_self_check(shape, layout.data(), bos, matmul, 0);
+  const std::vector<SelfCheckResult> results = run_self_check(shape, outcome.paths, layout.data(), bos, matmul, 0);
   CUDA_CHECK(cudaDeviceSynchronize());
   int failed_checks = 0;
   for (const SelfCheckResult& r : results) {
@@ -2111,8 +2111,9 @@ class TrainingRun {
     if (initial) restore_state(*initial, "", state_, model_.params);
   }
 
-  // Each rank verified its own checkpoint before the GPU (a rank that could not stopped there);
-  // ranks whose newest checkpoints are of different steps stop together here.
+  // Each rank verified its own checkpoint before the GPU (a rank that could not stopped there, and
+  // its launcher stops the others: run.sh at once, others at the rendezvous's deadline); ranks
+  // whose newest checkpoints are of different steps stop together here.
   void resume(ResumePoint point) {
     beat("resume");
     const int step = point.checkpoint.step;
@@ -2126,7 +2127,13 @@ class TrainingRun {
         (point.differences.empty() ? "" : ", with other settings: " + point.differences));
   }
 
-  std::string run_flags() const { return resume_flags(h_, comm_->world_size()); }
+  // The training settings a checkpoint records: the head the run really trains (a self-check
+  // fallback to the bf16 head is another mathematics, so a resume must ask for it by its flag).
+  std::string run_flags() const {
+    Hyperparameters trained = h_;
+    trained.bf16_head = !paths_.fp8_head;
+    return resume_flags(trained, comm_->world_size());
+  }
 
   void validate_and_log(int step) {
     check_rank_consistency(model_.params, *comm_, checksum_, 0);

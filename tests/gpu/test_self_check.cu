@@ -98,6 +98,25 @@ TEST_CASE("a wrong fast path fails its own checks only; fallback takes its refer
   }
 }
 
+TEST_CASE("a path its flag replaced already is not checked: a failure there changes nothing") {
+  const Hyperparameters h = with_reference_flag(Hyperparameters{}, &KernelPaths::fp8_head);  // --bf16-head
+  const SelfCheckOutcome outcome = self_check_with(h, Fault::wrong_fp8_head);
+  for (const std::string& line : outcome.lines)
+    CHECK(line.find("FP8") == std::string::npos && line.find("e5m2") == std::string::npos);
+  CHECK(outcome.failed_paths.empty());
+  CHECK(outcome.lines.back().find("self-check: 7 checks, 0 failed") == 0);
+  CHECK(same_paths(outcome.paths, paths_of(h)));
+}
+
+TEST_CASE("a check that throws (a library refusing on new hardware) fails its path instead of ending the rank") {
+  std::vector<SelfCheckResult> results;
+  self_check::add_results(results, {{"batched Muon 3x3", &KernelPaths::batched_muon, 1e-2}},
+                          []() -> std::vector<double> { throw std::runtime_error("cuBLASLt has no algorithm"); });
+  CHECK(results.size() == 1 && !results[0].passed());
+  std::printf("  %s\n", results[0].line().c_str());
+  CHECK(results[0].line() == "self-check batched Muon 3x3: cuBLASLt has no algorithm FAILED");
+}
+
 TEST_CASE("--self-check off runs nothing and keeps the flags' paths") {
   Hyperparameters h = with_reference_flag(Hyperparameters{}, &KernelPaths::batched_muon);
   h.self_check = "off";
