@@ -10,6 +10,7 @@
 #include "kernels/cross_entropy.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_comm.cuh"
+#include "kernels/diloco.cuh"
 #include "kernels/embedding.cuh"
 #include "kernels/flash_attention.cuh"
 #include "kernels/fp8_head.cuh"
@@ -82,6 +83,14 @@ struct Hyperparameters {
   std::string log_dir = "logs";
   bool bf16_head = false;           // train with a bf16 lm_head instead of the FP8 one of SPEC 1.5
   std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
+  // Streaming DiLoCo across replica groups (kernels/diloco.cuh); 1 group: off
+  int diloco_groups = 1;
+  int diloco_fragments = 3;         // 12 blocks: 4 a fragment
+  int diloco_sync_every = 30;       // H: each fragment syncs ~59 times in the record's 1770 steps
+  int diloco_sync_delay = 0;
+  double diloco_outer_lr = 0.7, diloco_outer_momentum = 0.9;  // the DiLoCo paper's outer Nesterov SGD
+  double diloco_alpha = 0;
+  std::string diloco_comm = "fp32";
   // fast paths (kernels/self_check.cuh): each may be replaced by its simple reference
   std::string attention = "flash";     // flash or reference
   std::string fp8_gradient = "fused";  // fused or cast
@@ -177,6 +186,30 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"bf16-head", &h.bf16_head, "train with a bf16 lm_head instead of the FP8 one (SPEC 1.5)", nullptr, ""},
       {"grad-comm", &h.grad_comm, "gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc",
        one_of(&h.grad_comm, {"fp32-rs", "bf16-rs", "a2a-fp32acc"}), "one of fp32-rs, bf16-rs, a2a-fp32acc"},
+      {"diloco-groups", &h.diloco_groups,
+       "Streaming DiLoCo over this many replica groups of consecutive ranks (1: off); must divide the ranks",
+       positive(&h.diloco_groups), "positive"},
+      {"diloco-fragments", &h.diloco_fragments,
+       "DiLoCo fragments: consecutive blocks (the embeddings with the first, lm_head and scalars with the last)",
+       positive(&h.diloco_fragments), "positive (at most the model's 12 blocks)"},
+      {"diloco-sync-every", &h.diloco_sync_every, "DiLoCo: steps between two syncs of a fragment (H)",
+       [&h] { return h.diloco_sync_every > 0 && h.diloco_sync_every % h.diloco_fragments == 0; },
+       "a positive multiple of --diloco-fragments"},
+      {"diloco-sync-delay", &h.diloco_sync_delay,
+       "DiLoCo: steps a fragment's exchange overlaps before it is applied (d < H / F)",
+       [&h] {
+         return h.diloco_sync_delay >= 0 && h.diloco_fragments > 0 &&
+                h.diloco_sync_delay < h.diloco_sync_every / h.diloco_fragments;
+       },
+       "in [0, --diloco-sync-every / --diloco-fragments)"},
+      {"diloco-outer-lr", &h.diloco_outer_lr, "DiLoCo outer Nesterov SGD learning rate", positive(&h.diloco_outer_lr),
+       "positive"},
+      {"diloco-outer-momentum", &h.diloco_outer_momentum, "DiLoCo outer Nesterov momentum",
+       [&h] { return h.diloco_outer_momentum >= 0 && h.diloco_outer_momentum < 1; }, "in [0, 1)"},
+      {"diloco-alpha", &h.diloco_alpha, "DiLoCo mix: local = global + alpha (local - global) (0: the global copy)",
+       [&h] { return h.diloco_alpha >= 0 && h.diloco_alpha <= 1; }, "in [0, 1]"},
+      {"diloco-comm", &h.diloco_comm, "DiLoCo pseudo-gradient traffic across groups: fp32 or bf16",
+       one_of(&h.diloco_comm, {"fp32", "bf16"}), "fp32 or bf16"},
       {"attention", &h.attention, "attention kernels: flash (wgmma) or reference (warp per row; slower)",
        one_of(&h.attention, {"flash", "reference"}), "flash or reference"},
       {"fp8-gradient", &h.fp8_gradient,
@@ -594,7 +627,8 @@ inline std::string resume_flags(const Hyperparameters& h, int world_size) {
   static const char* const names[] = {
       "train-files", "seq-len", "micro-batches", "num-iterations", "cooldown-frac", "adam-lr", "adam-beta1",
       "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
-      "muon-momentum-warmup", "bf16-head", "grad-comm"};
+      "muon-momentum-warmup", "bf16-head", "grad-comm", "diloco-groups", "diloco-fragments", "diloco-sync-every",
+      "diloco-sync-delay", "diloco-outer-lr", "diloco-outer-momentum", "diloco-alpha", "diloco-comm"};
   return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [](const std::string& name) {
            return std::find(std::begin(names), std::end(names), name) != std::end(names);
          });
@@ -1613,6 +1647,32 @@ inline std::vector<StateBuffer> training_state(const ParameterStore& params, Opt
   return state;
 }
 
+inline DiLoCoSettings diloco_settings(const Hyperparameters& h) {
+  DiLoCoSettings s;
+  s.groups = h.diloco_groups;
+  s.fragments = h.diloco_fragments;
+  s.sync_every = h.diloco_sync_every;
+  s.delay = h.diloco_sync_delay;
+  s.outer_lr = h.diloco_outer_lr;
+  s.outer_momentum = h.diloco_outer_momentum;
+  s.alpha = h.diloco_alpha;
+  s.bf16_exchange = h.diloco_comm == "bf16";
+  return s;
+}
+
+// DiLoCo's fragments: blocks i * F / num_layers, the token and value embeddings with fragment 0
+// (the input side), lm_head and the scalars with fragment F - 1; each in parameter order.
+inline std::vector<std::vector<ParamStorage>> diloco_fragments(const ParameterStore& s, int fragments) {
+  const int num_layers = num_blocks_of(s.list);
+  std::vector<std::vector<ParamStorage>> list(static_cast<size_t>(fragments));
+  for (const Param& p : s.list) {
+    const int f = p.is_embedding() ? 0 : p.layer < 0 ? fragments - 1 : p.layer * fragments / num_layers;
+    void* data = p.is_embedding() ? static_cast<void*>(s.embeddings + p.offset) : static_cast<void*>(s.master + p.offset);
+    list[size_t(f)].push_back({data, p.is_embedding(), size_t(p.numel)});
+  }
+  return list;
+}
+
 constexpr const char* kRunFlagsBlob = "run flags";  // resume_flags of the run that wrote the checkpoint
 
 // Where each parameter lies in the two parameter blobs, one "<name> <blob> <dtype> <offset> <count>"
@@ -2007,8 +2067,8 @@ class TrainingRun {
  public:
   TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g)
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
-        model_(config_, memory_),
-        optimizers_(h, model_.params, *comm_, memory_),
+        groups_(*comm_, h.diloco_groups), model_(config_, memory_),
+        optimizers_(h, model_.params, group(), memory_),
         train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head),
         eval_(config_, h.val_seq_len, false, memory_),
         val_(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab),
@@ -2020,6 +2080,12 @@ class TrainingRun {
     uint64_t seed = comm_->rank() == 0 ? (h.seed ? h.seed : fresh_seed()) & ((uint64_t(1) << 52) - 1) : 0;
     counters_.seed = uint64_t(comm_->all_reduce_sum(double(seed)));
     initialize_parameters(config_, model_.params, counters_.seed);
+    if (groups_.group) {  // every group starts from the same parameters: the global copies
+      diloco_ = std::make_unique<DiLoCo>(diloco_settings(h), diloco_fragments(model_.params, h.diloco_fragments),
+                                         *groups_.group, *groups_.across);
+      diloco_->take_global_copies(0);
+      for (const DiLoCo::Buffer& b : diloco_->state_buffers()) state_.push_back({b.name, b.data, b.bytes});
+    }
     beat("self-check");
     const SelfCheckOutcome self_check =
         self_check_paths(h, self_check_shape(config_), config_.bos_token, &val_, comm_.get());
@@ -2035,8 +2101,12 @@ class TrainingRun {
       log_ = std::make_unique<RunLog>(h.log_dir, new_run_id());
       log_->header(trainer_source(), environment_report() + self_check.report());
       log_parameters(*log_, h, model_.params.list);
-      std::printf("run log: %s (%d rank%s, %s)\n", log_->path().c_str(), comm_->world_size(),
-                  comm_->world_size() > 1 ? "s" : "", g.launcher.c_str());
+      std::printf("run log: %s (%d rank%s%s, %s)\n", log_->path().c_str(), comm_->world_size(),
+                  comm_->world_size() > 1 ? "s" : "",
+                  diloco_ ? (" in " + std::to_string(h.diloco_groups) + " DiLoCo groups of " +
+                             std::to_string(group().world_size())).c_str()
+                          : "",
+                  g.launcher.c_str());
     }
   }
 
@@ -2053,9 +2123,13 @@ class TrainingRun {
     for (int step = counters_.step;; ++step) {
       const bool last = step == h_.num_iterations;
       const std::string at = "step " + std::to_string(step) + ": ";
+      if (last && diloco_ && step > counters_.step) {  // one model at the end (a resume here has it already)
+        beat(at + "final DiLoCo sync");
+        for (const std::string& line : diloco_->finish(step, 0)) say(line);
+      }
       if (last || step == 0 || (h_.val_every > 0 && step % h_.val_every == 0)) {
         beat(at + "validation");
-        validate_and_log(step);
+        validate_and_log(step, /*groups_agree=*/last);
       }
       if (last || (h_.checkpoint_every > 0 && step > counters_.step && step % h_.checkpoint_every == 0)) {
         beat(at + "checkpoint");
@@ -2121,6 +2195,7 @@ class TrainingRun {
       throw CheckpointError("--resume: the ranks' newest checkpoints are of different steps (rank " +
                             std::to_string(comm_->rank()) + " has step " + std::to_string(step) + ")");
     restore_state(point.checkpoint, point.path, state_, model_.params);
+    if (diloco_) diloco_->resumed_at(step);
     counters_.step = step;
     last_checkpoint_ = point.path;
     say("resumed from " + point.path + " at step " + std::to_string(step) +
@@ -2135,8 +2210,11 @@ class TrainingRun {
     return resume_flags(trained, comm_->world_size());
   }
 
-  void validate_and_log(int step) {
-    check_rank_consistency(model_.params, *comm_, checksum_, 0);
+  // Groups train apart between syncs: their ranks agree within the group, and all of them after
+  // the final DiLoCo sync. The validation loss is the mean over every rank's share of the
+  // validation tokens, each scored by its group's model.
+  void validate_and_log(int step, bool groups_agree) {
+    check_rank_consistency(model_.params, groups_agree ? *comm_ : group(), checksum_, 0);
     double val_loss = validate(model_, eval_, val_, schedule_.window_blocks(step), *comm_, 0);
     say(validation_line(step, h_.num_iterations, val_loss, counters_.train_ms));
     if (!std::isfinite(val_loss))
@@ -2173,6 +2251,7 @@ class TrainingRun {
     optimizers_.set_timeline(timeline.get());
     auto start = std::chrono::steady_clock::now();
     double loss_sum = train_step(model_, train_, optimizers_, batch, step, schedule_, paths_.fp8_head, 0);
+    const std::string sync_line = diloco_ ? diloco_->after_step(step + 1, 0) : "";
     double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (timeline) write_timeline(*timeline, step + 1);
     // the console's mean over ranks; a NaN anywhere stops all
@@ -2182,9 +2261,10 @@ class TrainingRun {
       throw std::runtime_error("training loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1) +
                                "; last good checkpoint: " + last_checkpoint_);
     if (unconfirmed_step_ == step) last_checkpoint_ = unconfirmed_checkpoint_;
-    if (step == counters_.step) check_rank_consistency(model_.params, *comm_, checksum_, 0);  // after the first step
+    if (step == counters_.step) check_rank_consistency(model_.params, group(), checksum_, 0);  // after the first step
     std::string line = train_step_line(step + 1, h_.num_iterations, counters_.train_ms);
     say(line, /*console=*/false);
+    if (!sync_line.empty()) say(sync_line, /*console=*/false);
     if (log_)
       std::printf("%s\n", console_step_line(line, loss, step_ms, h_.micro_batches * h_.seq_len,
                                              training_flops_per_token(model_.params.list), h_.num_iterations - step - 1)
@@ -2196,6 +2276,8 @@ class TrainingRun {
   const GPTConfig config_;
   std::unique_ptr<ProgressWatchdog> watchdog_;  // before comm_: covers the rendezvous and its teardown
   std::unique_ptr<DeviceCommunicator> comm_;
+  ReplicaGroups groups_;  // DiLoCo's communicators (none with one group)
+  DeviceCommunicator& group() const { return groups_.group ? *groups_.group : *comm_; }
   DeviceMemory memory_;
   GPT model_;
   Optimizers optimizers_;
@@ -2207,6 +2289,7 @@ class TrainingRun {
   std::string checkpoint_dir_, last_checkpoint_ = "none", unconfirmed_checkpoint_;
   int unconfirmed_step_ = -1;
   KernelPaths paths_;            // after the self-check
+  std::unique_ptr<DiLoCo> diloco_;  // with more than one group
   std::unique_ptr<RunLog> log_;  // rank 0 only
 };
 
@@ -2219,6 +2302,8 @@ int run_training(const Hyperparameters& h) {
   }
   check_data(h);
   const ProcessGroupEnv g = process_group_from_env();
+  const std::string diloco_problem = diloco_settings_problem(diloco_settings(h), g.world_size, GPTConfig().num_layers);
+  if (!diloco_problem.empty()) throw FlagError(diloco_problem);
   check_output_folders(h, g);
   std::optional<ResumePoint> resume_point = checkpoint_to_resume(h, g);
   require_hopper_gpu(select_gpu(g.local_rank));

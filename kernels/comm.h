@@ -5,6 +5,7 @@
 #pragma once
 #include "kernels/faults.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -102,6 +103,17 @@ class RankThreads {
     if (first_any) std::rethrow_exception(first_any);
   }
 
+  // A world whose ranks are threads of this one (a split of it): released when this one fails.
+  // It unregisters itself before it is destroyed; this world outlives it.
+  void add_child(RankThreads* child) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    children_.push_back(child);
+  }
+  void remove_child(RankThreads* child) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    children_.erase(std::remove(children_.begin(), children_.end(), child), children_.end());
+  }
+
   // A generation-counting barrier that throws WorldAborted once any rank failed.
   void meet() {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -123,6 +135,7 @@ class RankThreads {
     aborted_ = true;
     arrived_ = 0;
     cv_.notify_all();
+    for (RankThreads* child : children_) child->abort_all();
   }
 
   int world_size_;
@@ -131,6 +144,7 @@ class RankThreads {
   int arrived_ = 0;
   uint64_t generation_ = 0;
   bool aborted_ = false;
+  std::vector<RankThreads*> children_;
 };
 
 // W virtual ranks in host memory. Each collective: every rank posts its send pointer, meets the

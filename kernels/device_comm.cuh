@@ -12,7 +12,9 @@
 
 #include <nccl.h>
 
+#include <algorithm>
 #include <exception>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,8 +33,14 @@ class DeviceCommunicator {
   virtual void all_gather(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) = 0;
   // send: [W * count], chunk q goes to rank q; recv: [W * count], chunk q came from rank q
   virtual void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) = 0;
+  // send: [count], recv: [count] = the sum over ranks q, in rank order where the backend keeps one,
+  // of send_q; recv is another buffer than send (the simulated ranks read each other's sends)
+  virtual void all_reduce_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) = 0;
   // A host scalar summed over the ranks (validation losses and token counts); synchronous.
   virtual double all_reduce_sum(double value) = 0;
+  // The ranks of this communicator with the same color, as a communicator of their own, ranked by
+  // key (ties by rank); collective: every rank calls it, in the same order as its other calls.
+  virtual std::unique_ptr<DeviceCommunicator> split(int color, int key) = 0;
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -58,6 +66,15 @@ class NcclCommunicator : public DeviceCommunicator {
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
+  std::unique_ptr<DeviceCommunicator> split(int color, int key) override {
+    ncclComm_t part = nullptr;
+    NCCL_CHECK(ncclCommSplit(comm_, color, key, &part, nullptr));
+    int rank = 0, size = 0;
+    NCCL_CHECK(ncclCommUserRank(part, &rank));
+    NCCL_CHECK(ncclCommCount(part, &size));
+    return std::unique_ptr<DeviceCommunicator>(new NcclCommunicator(part, rank, size));
+  }
+
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
@@ -65,6 +82,9 @@ class NcclCommunicator : public DeviceCommunicator {
   }
   void all_gather(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
     NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(dtype), comm_, stream));
+  }
+  void all_reduce_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+    NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(dtype), ncclSum, comm_, stream));
   }
   void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
     const size_t bytes = count * dtype_size(dtype);
@@ -87,6 +107,10 @@ class NcclCommunicator : public DeviceCommunicator {
   }
 
  private:
+  NcclCommunicator(ncclComm_t comm, int rank, int world_size) : rank_(rank), world_size_(world_size), comm_(comm) {
+    CUDA_CHECK(cudaMalloc(&scalar_, sizeof(double)));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&scalar_stream_, cudaStreamNonBlocking));
+  }
   static ncclDataType_t nccl_type(DeviceDType t) { return t == DeviceDType::f32 ? ncclFloat32 : ncclBfloat16; }
   int rank_, world_size_;
   ncclComm_t comm_ = nullptr;
@@ -121,16 +145,20 @@ __global__ void sum_rank_buffers_kernel(RankBuffers in, int contributors, size_t
 // rank overwrites a send buffer that another rank's stream still reads.
 class SimulatedDeviceWorld {
  public:
-  explicit SimulatedDeviceWorld(int world_size)
-      : threads_(world_size), posted_(world_size), scalars_(world_size), ready_(world_size), done_(world_size) {
+  // parent: the world whose threads are this one's ranks (a split), released when it fails.
+  explicit SimulatedDeviceWorld(int world_size, RankThreads* parent = nullptr)
+      : threads_(world_size), posted_(world_size), scalars_(world_size), ready_(world_size), done_(world_size),
+        split_keys_(world_size), split_parts_(world_size), parent_(parent) {
     if (world_size > kMaxSimulatedRanks)
       throw std::invalid_argument("at most " + std::to_string(kMaxSimulatedRanks) + " simulated ranks");
     for (int r = 0; r < world_size; ++r) {
       CUDA_CHECK(cudaEventCreateWithFlags(&ready_[r], cudaEventDisableTiming));
       CUDA_CHECK(cudaEventCreateWithFlags(&done_[r], cudaEventDisableTiming));
     }
+    if (parent_) parent_->add_child(&threads_);
   }
   ~SimulatedDeviceWorld() {
+    if (parent_) parent_->remove_child(&threads_);
     for (cudaEvent_t e : ready_) cudaEventDestroy(e);
     for (cudaEvent_t e : done_) cudaEventDestroy(e);
   }
@@ -178,6 +206,11 @@ class SimulatedDeviceWorld {
                                      cudaMemcpyDeviceToDevice, stream));
       });
     }
+    void all_reduce_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+      if (send == recv) throw std::invalid_argument("simulated all_reduce_sum: recv must not be send");
+      world_.collective(rank_, send, stream, [&] { world_.sum_posted(world_.world_size(), 0, recv, count, dtype, 1.0f, stream); });
+    }
+    std::unique_ptr<DeviceCommunicator> split(int color, int key) override { return world_.split(rank_, color, key); }
     double all_reduce_sum(double value) override {
       world_.scalars_[rank_] = value;
       world_.threads_.meet();
@@ -191,6 +224,33 @@ class SimulatedDeviceWorld {
     SimulatedDeviceWorld& world_;
     int rank_;
   };
+
+  // A rank of a split, keeping its world alive.
+  class PartRank : public Rank {
+   public:
+    PartRank(std::shared_ptr<SimulatedDeviceWorld> world, int rank) : Rank(*world, rank), world_(std::move(world)) {}
+
+   private:
+    std::shared_ptr<SimulatedDeviceWorld> world_;
+  };
+
+  // Every rank posts its (color, key); the first rank of each color builds that color's world,
+  // whose threads are this world's, and each rank takes its place in it.
+  std::unique_ptr<DeviceCommunicator> split(int rank, int color, int key) {
+    split_keys_[rank] = {color, key};
+    threads_.meet();
+    std::vector<int> members;  // ranks of this color by (key, rank)
+    for (int q = 0; q < world_size(); ++q)
+      if (split_keys_[q].first == color) members.push_back(q);
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return split_keys_[a].second < split_keys_[b].second; });
+    if (rank == members[0]) split_parts_[rank] = std::make_shared<SimulatedDeviceWorld>(int(members.size()), &threads_);
+    threads_.meet();
+    std::shared_ptr<SimulatedDeviceWorld> part = split_parts_[members[0]];
+    const int part_rank = int(std::find(members.begin(), members.end(), rank) - members.begin());
+    threads_.meet();  // every rank holds its part before the slots are cleared
+    split_parts_[rank].reset();
+    return std::make_unique<PartRank>(std::move(part), part_rank);
+  }
 
   void collective(int rank, const void* send, cudaStream_t stream, const std::function<void()>& read_posted) {
     CUDA_CHECK(cudaEventRecord(ready_[rank], stream));
@@ -220,6 +280,9 @@ class SimulatedDeviceWorld {
   std::vector<const void*> posted_;  // [W] send buffers of the collective in progress
   std::vector<double> scalars_;      // [W] values of the scalar all-reduce in progress
   std::vector<cudaEvent_t> ready_, done_;
+  std::vector<std::pair<int, int>> split_keys_;                        // [W] (color, key) of a split in progress
+  std::vector<std::shared_ptr<SimulatedDeviceWorld>> split_parts_;     // [W] the parts it builds, by first rank
+  RankThreads* parent_ = nullptr;
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -289,7 +352,11 @@ class SingleRankCommunicator : public DeviceCommunicator {
   void all_to_all(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
     copy(send, recv, count * dtype_size(dtype), stream);
   }
+  void all_reduce_sum(const void* send, void* recv, size_t count, DeviceDType dtype, cudaStream_t stream) override {
+    copy(send, recv, count * dtype_size(dtype), stream);
+  }
   double all_reduce_sum(double value) override { return value; }
+  std::unique_ptr<DeviceCommunicator> split(int, int) override { return std::make_unique<SingleRankCommunicator>(); }
 
  private:
   static void copy(const void* from, void* to, size_t bytes, cudaStream_t stream) {

@@ -42,6 +42,20 @@ __device__ inline float block_sum(float v) {
   return total;
 }
 
+// norms[i] = ||x[i n .. (i + 1) n)||_F, block i per matrix: a fixed reduction order, deterministic.
+constexpr int kFrobeniusThreads = 1024;
+template <typename T>
+__global__ void __launch_bounds__(kFrobeniusThreads) frobenius_norms_kernel(const T* x, size_t n, float* norms) {
+  const T* matrix = x + blockIdx.x * n;
+  float ss = 0;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+    float v = float(matrix[i]);
+    ss += v * v;
+  }
+  ss = block_sum(ss);
+  if (threadIdx.x == 0) norms[blockIdx.x] = sqrtf(ss);
+}
+
 // Eight bf16 in one 16-byte load/store.
 struct alignas(16) Bf16x8 {
   bf16 v[8];

@@ -1,5 +1,6 @@
 // Test-only fault switch: known distributed bugs that the oracle (tests/test_oracle.cpp) must catch,
-// and wrong results of the fast paths that the start-up self-check (self_check.cuh) must catch.
+// wrong results of the fast paths that the start-up self-check (self_check.cuh) must catch, and
+// DiLoCo's outer-loop bugs that its oracle (tests/gpu/test_diloco.cu) must catch.
 // Production code never sets it; the communication and optimizer layers and the self-check read it.
 #pragma once
 
@@ -17,6 +18,12 @@ enum class Fault {
   wrong_fused_e5m2_gradient,   // ... the cross-entropy's fused e5m2 gradient
   wrong_batched_muon,          // ... the batched Muon update
   wrong_fused_residual_add,    // ... the matmul with the residual as cuBLASLt's C
+  diloco_flipped_sign,         // DiLoCo's pseudo-gradient is local - global (torchft#233's bug)
+  diloco_mix_to_copy,          // the mix of local and global is written to a copy, not in place
+  diloco_average_by_world,     // the pseudo-gradients' sum is divided by W instead of G
+  diloco_wrong_fragment,       // each sync exchanges the next fragment instead of its own
+  diloco_momentum_reset,       // the outer momentum starts from zero at every sync
+  diloco_delay_wrong_step,     // an exchange is applied one step after its delay
 };
 
 inline Fault& injected_fault() {
@@ -39,6 +46,12 @@ inline const char* fault_name(Fault f) {
     case Fault::wrong_fused_e5m2_gradient: return "wrong_fused_e5m2_gradient";
     case Fault::wrong_batched_muon: return "wrong_batched_muon";
     case Fault::wrong_fused_residual_add: return "wrong_fused_residual_add";
+    case Fault::diloco_flipped_sign: return "diloco_flipped_sign";
+    case Fault::diloco_mix_to_copy: return "diloco_mix_to_copy";
+    case Fault::diloco_average_by_world: return "diloco_average_by_world";
+    case Fault::diloco_wrong_fragment: return "diloco_wrong_fragment";
+    case Fault::diloco_momentum_reset: return "diloco_momentum_reset";
+    case Fault::diloco_delay_wrong_step: return "diloco_delay_wrong_step";
   }
   return "?";
 }

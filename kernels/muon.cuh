@@ -76,19 +76,6 @@ __global__ void muon_momentum_kernel(const float* g, float* buf, bf16* x, int ro
   }
 }
 
-// norms[i] = ||x[i n .. (i + 1) n)||_F, block i per matrix: a fixed reduction order, deterministic.
-constexpr int kFrobeniusThreads = 1024;
-__global__ void __launch_bounds__(kFrobeniusThreads) frobenius_norms_kernel(const bf16* x, size_t n, float* norms) {
-  const bf16* matrix = x + blockIdx.x * n;
-  float ss = 0;
-  for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
-    float v = __bfloat162float(matrix[i]);
-    ss += v * v;
-  }
-  ss = block_sum(ss);
-  if (threadIdx.x == 0) norms[blockIdx.x] = sqrtf(ss);
-}
-
 // x[batch, n] row i scaled by 1 / (norms[i] + 1e-7)
 __global__ void scale_by_inverse_norms_kernel(bf16* x, size_t n, size_t total, const float* norms) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x)

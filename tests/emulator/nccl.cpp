@@ -60,6 +60,22 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   return ncclSuccess;
 }
 ncclResult_t ncclCommAbort(ncclComm_t comm) { return ncclCommDestroy(comm); }
+// One rank: every split is that rank alone (a color of NCCL_SPLIT_NOCOLOR gives no communicator).
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int, ncclComm_t* part, ncclConfig_t*) {
+  if (!comm) return ncclInvalidArgument;
+  *part = color == NCCL_SPLIT_NOCOLOR ? nullptr : reinterpret_cast<ncclComm_t>(new char);
+  return ncclSuccess;
+}
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+  if (!comm) return ncclInvalidArgument;
+  *rank = 0;
+  return ncclSuccess;
+}
+ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+  if (!comm) return ncclInvalidArgument;
+  *count = 1;
+  return ncclSuccess;
+}
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t, ncclComm_t comm,
                            cudaStream_t) {

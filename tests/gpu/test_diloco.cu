@@ -1,0 +1,404 @@
+// The oracle of Streaming DiLoCo (kernels/diloco.cuh): the trainer's outer loop on W = G x L
+// simulated ranks (each group's ranks holding slices, the exchanges among the ranks with the same
+// place in every group) against the CPU reference (tests/reference/diloco.h, fp64), over every
+// configuration of G in {2, 3}, L in {1, 2}, F in {1, 2, 3}, H in {2, 3, 6}, d in {0, 1} that the
+// rules allow. The outer loop is elementwise and needs no model: the inner step here is a
+// synthetic update, the same pseudo-random change of every parameter in a group on its ranks and
+// in the reference, on a small stand-in for the record's parameters (12 blocks of two fp32
+// matrices, four bf16 embedding tables, an fp32 head and scalars; sizes that cut slices inside
+// parameters and pad the last one). Then what needs the model: groups fed the same batches stay
+// bitwise equal through the trainer's step, and the trainer's fragments are the reference's.
+#include "gpu/model_fixture.h"
+#include "reference/diloco.h"
+
+#include <map>
+
+namespace {
+
+using namespace fixture;
+
+// Bounds on each parameter's relative error after K steps and after the final sync: the fp32
+// masters see one fp32 rounding per operation (the emulator measured < 1e-6); the bf16 tables one
+// bf16 rounding per step and sync (2^-9 relative each); a bf16 exchange rounds each pseudo-gradient.
+constexpr double kFp32Bound = 1e-5, kBf16Bound = 2e-2, kBf16ExchangeBound = 2e-2;
+constexpr double kBugMargin = 10;  // every injected bug: >= 10x the bound
+
+struct StandIn {
+  std::string name;
+  bool bf16;
+  size_t count;
+  int fragment_of(int fragments) const {  // the reference's rule, for the stand-in's names
+    if (bf16) return 0;
+    if (name == "head" || name == "scalars") return fragments - 1;
+    return std::stoi(name.substr(6)) * fragments / 12;  // "block <i> ..."
+  }
+};
+
+std::vector<StandIn> stand_in_parameters() {
+  std::vector<StandIn> list;
+  for (int t = 0; t < 4; ++t) list.push_back({"table " + std::to_string(t), true, 96});
+  for (int i = 0; i < 12; ++i) {
+    list.push_back({"block " + std::to_string(i) + " a", false, size_t(40 + 7 * i)});
+    list.push_back({"block " + std::to_string(i) + " b", false, 33});
+  }
+  list.push_back({"head", false, 150});
+  list.push_back({"scalars", false, 64});
+  return list;
+}
+
+// The synthetic inner step: the change of element k of parameter p in group g at step n.
+double synthetic_change(int g, int n, size_t p, size_t k) {
+  uint64_t x = (uint64_t(g) * 1000003u + uint64_t(n)) * 1000033u + p * 7919u + k;
+  x ^= x >> 33, x *= 0xff51afd7ed558ccdULL, x ^= x >> 33, x *= 0xc4ceb9fe1a85ec53ULL, x ^= x >> 33;
+  return 0.05 * (double(x >> 11) / double(1ULL << 53) * 2 - 1) + 0.01 * (g + 1);  // a drift apart per group
+}
+
+Tensors initial_values(const std::vector<StandIn>& list) {
+  std::mt19937_64 rng(17);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  Tensors init;
+  for (const StandIn& p : list) {
+    std::vector<double> v(p.count);
+    for (double& x : v) x = p.bf16 ? double(__bfloat162float(__float2bfloat16(float(normal(rng))))) : 0.1 * normal(rng);
+    init.push_back(v);
+  }
+  return init;
+}
+
+struct Config {
+  int groups, ranks_per_group, fragments, sync_every, delay;
+  double alpha = 0;
+  bool bf16_exchange = false;
+  std::string text() const {
+    char s[128];
+    std::snprintf(s, sizeof s, "G=%d L=%d F=%d H=%d d=%d alpha=%.1f %s", groups, ranks_per_group, fragments, sync_every,
+                  delay, alpha, bf16_exchange ? "bf16" : "fp32");
+    return s;
+  }
+  int steps() const { return 2 * sync_every + delay + 1; }  // every fragment syncs twice
+  DiLoCoSettings settings() const {
+    DiLoCoSettings s;
+    s.groups = groups, s.fragments = fragments, s.sync_every = sync_every, s.delay = delay, s.alpha = alpha;
+    s.bf16_exchange = bf16_exchange;
+    return s;
+  }
+  ReferenceDiLoCoConfig reference() const {
+    ReferenceDiLoCoConfig r;
+    r.groups = groups, r.fragments = fragments, r.sync_every = sync_every, r.delay = delay, r.alpha = alpha;
+    return r;
+  }
+};
+
+// One rank's stand-in parameters on the device.
+struct RankParameters {
+  std::vector<StandIn> list;
+  std::vector<void*> data;
+  explicit RankParameters(const Tensors& init) : list(stand_in_parameters()) {
+    for (size_t p = 0; p < list.size(); ++p) {
+      void* d = nullptr;
+      CUDA_CHECK(cudaMalloc(&d, list[p].count * (list[p].bf16 ? 2 : 4)));
+      data.push_back(d);
+      upload(p, init[p]);
+    }
+  }
+  ~RankParameters() {
+    for (void* d : data) cudaFree(d);
+  }
+  void upload(size_t p, const std::vector<double>& v) const {
+    if (list[p].bf16) {
+      CUDA_CHECK(cudaMemcpy(data[p], to_bf16(v).data(), v.size() * 2, cudaMemcpyHostToDevice));
+    } else {
+      const std::vector<float> f(v.begin(), v.end());
+      CUDA_CHECK(cudaMemcpy(data[p], f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+    }
+  }
+  std::vector<double> download(size_t p) const {
+    if (list[p].bf16) {
+      std::vector<bf16> v(list[p].count);
+      CUDA_CHECK(cudaMemcpy(v.data(), data[p], v.size() * 2, cudaMemcpyDeviceToHost));
+      return to_double(v);
+    }
+    std::vector<float> v(list[p].count);
+    CUDA_CHECK(cudaMemcpy(v.data(), data[p], v.size() * 4, cudaMemcpyDeviceToHost));
+    return to_double(v);
+  }
+  Tensors all() const {
+    Tensors t;
+    for (size_t p = 0; p < list.size(); ++p) t.push_back(download(p));
+    return t;
+  }
+  std::vector<std::vector<ParamStorage>> fragments(int count) const {
+    std::vector<std::vector<ParamStorage>> f(static_cast<size_t>(count));
+    for (size_t p = 0; p < list.size(); ++p) f[size_t(list[p].fragment_of(count))].push_back({data[p], list[p].bf16, list[p].count});
+    return f;
+  }
+  // The synthetic inner step of group g: every element changes by synthetic_change (fp32 arithmetic
+  // on the fp32 masters, rounded to bf16 for the tables, as an optimizer step would).
+  void inner_step(int g, int n) const {
+    for (size_t p = 0; p < list.size(); ++p) {
+      std::vector<double> v = download(p);
+      for (size_t k = 0; k < v.size(); ++k) v[k] = double(float(v[k]) + float(synthetic_change(g, n, p, k)));
+      upload(p, v);
+    }
+  }
+};
+
+struct Outcome {
+  std::vector<Tensors> after_steps, after_finish;  // [rank]
+};
+
+Outcome run_trainer(const Config& c, const Tensors& init) {
+  const int W = c.groups * c.ranks_per_group;
+  Outcome out;
+  out.after_steps.resize(size_t(W));
+  out.after_finish.resize(size_t(W));
+  SimulatedDeviceWorld(W).run([&](DeviceCommunicator& world) {
+    RankParameters params(init);
+    ReplicaGroups groups(world, c.groups);
+    DiLoCo diloco(c.settings(), params.fragments(c.fragments), *groups.group, *groups.across);
+    diloco.take_global_copies(0);
+    const int g = world.rank() / c.ranks_per_group;
+    for (int n = 1; n <= c.steps(); ++n) {
+      CUDA_CHECK(cudaDeviceSynchronize());
+      params.inner_step(g, n);
+      diloco.after_step(n, 0);
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    out.after_steps[size_t(world.rank())] = params.all();
+    diloco.finish(c.steps(), 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    out.after_finish[size_t(world.rank())] = params.all();
+  });
+  return out;
+}
+
+struct Expected {
+  std::vector<Tensors> after_steps, after_finish;  // [group]
+};
+
+Expected run_reference(const Config& c, const Tensors& init) {
+  const std::vector<StandIn> list = stand_in_parameters();
+  std::vector<int> fragment_of;
+  for (const StandIn& p : list) fragment_of.push_back(p.fragment_of(c.fragments));
+  Expected e;
+  std::vector<Tensors> groups(size_t(c.groups), init);
+  std::vector<Tensors*> locals;
+  for (Tensors& t : groups) locals.push_back(&t);
+  ReferenceOuterLoop loop(c.reference(), fragment_of, init);
+  for (int n = 1; n <= c.steps(); ++n) {
+    for (int g = 0; g < c.groups; ++g)
+      for (size_t p = 0; p < list.size(); ++p)
+        for (size_t k = 0; k < list[p].count; ++k) groups[size_t(g)][p][k] += synthetic_change(g, n, p, k);
+    loop.after_step(n, locals);
+  }
+  e.after_steps = groups;
+  loop.finish(locals);
+  e.after_finish = groups;
+  return e;
+}
+
+// The worst relative error of any rank's parameter against its group's reference, in units of
+// the parameter's bound (> 1 fails).
+struct Verdict {
+  double worst = 0, error = 0;
+  std::string where;
+  double fp32_error = 0;  // the worst of the fp32 masters alone
+};
+
+Verdict compare(const Config& c, const Outcome& got, const Expected& want) {
+  const std::vector<StandIn> list = stand_in_parameters();
+  Verdict v;
+  auto check = [&](const std::vector<Tensors>& ranks, const std::vector<Tensors>& groups, const char* when) {
+    for (size_t r = 0; r < ranks.size(); ++r)
+      for (size_t p = 0; p < list.size(); ++p) {
+        const double error = relative_error(ranks[r][p], groups[r / size_t(c.ranks_per_group)][p]);
+        const double bound = list[p].bf16 ? kBf16Bound : c.bf16_exchange ? kBf16ExchangeBound : kFp32Bound;
+        if (!list[p].bf16) v.fp32_error = std::max(v.fp32_error, std::isnan(error) ? INFINITY : error);
+        if (!(error / bound <= v.worst)) {
+          v.worst = std::isnan(error) ? INFINITY : error / bound;
+          v.error = error;
+          v.where = std::string(when) + ", rank " + std::to_string(r) + " " + list[p].name;
+        }
+      }
+  };
+  check(got.after_steps, want.after_steps, "after the steps");
+  check(got.after_finish, want.after_finish, "after the final sync");
+  return v;
+}
+
+std::vector<Config> every_configuration() {
+  std::vector<Config> all;
+  int index = 0;
+  for (int G : {2, 3})
+    for (int L : {1, 2})
+      for (int F : {1, 2, 3})
+        for (int H : {2, 3, 6})
+          for (int d : {0, 1}) {
+            if (H % F != 0 || d >= H / F) continue;
+            Config c{G, L, F, H, d};
+            c.alpha = index++ % 3 == 2 ? 0.5 : 0.0;  // a third of them keep half the local progress
+            all.push_back(c);
+          }
+  return all;
+}
+
+const Config kBugConfig{2, 2, 2, 6, 1};  // fragments 0 and 1 each sync twice, overlapped one step
+
+}  // namespace
+
+TEST_CASE("every configuration: the trainer's outer loop on G x L simulated ranks equals the reference") {
+  const Tensors init = initial_values(stand_in_parameters());
+  std::vector<Config> configs = every_configuration();
+  Config bf16 = kBugConfig;
+  bf16.bf16_exchange = true;
+  configs.push_back(bf16);
+  double worst = 0;
+  for (const Config& c : configs) {
+    const Verdict v = compare(c, run_trainer(c, init), run_reference(c, init));
+    std::printf("  %-34s worst %.2e (%.3f of its bound; %s); fp32 masters %.1e\n", c.text().c_str(), v.error, v.worst,
+                v.where.c_str(), v.fp32_error);
+    CHECK(v.worst <= 1);
+    worst = std::max(worst, v.worst);
+  }
+  std::printf("  %zu configurations, worst %.3f of the bound\n", configs.size(), worst);
+}
+
+TEST_CASE("every injected DiLoCo bug is caught by 10x its bound or more") {
+  const Tensors init = initial_values(stand_in_parameters());
+  const Expected want = run_reference(kBugConfig, init);
+  const Verdict clean = compare(kBugConfig, run_trainer(kBugConfig, init), want);
+  std::printf("  %-26s %s: %.3f of the bound (%s); fp32 masters %.1e\n", "none", kBugConfig.text().c_str(), clean.worst,
+              clean.where.c_str(), clean.fp32_error);
+  CHECK(clean.worst <= 1);
+  for (Fault fault : {Fault::diloco_flipped_sign, Fault::diloco_mix_to_copy, Fault::diloco_average_by_world,
+                      Fault::diloco_wrong_fragment, Fault::diloco_momentum_reset, Fault::diloco_delay_wrong_step}) {
+    injected_fault() = fault;
+    Outcome got;
+    try {
+      got = run_trainer(kBugConfig, init);
+    } catch (...) {
+      injected_fault() = Fault::none;
+      throw;
+    }
+    injected_fault() = Fault::none;
+    const Verdict v = compare(kBugConfig, got, want);
+    std::printf("  %-26s worst relative error %.2e (%s): %.0fx its bound\n", fault_name(fault), v.error, v.where.c_str(),
+                v.worst);
+    CHECK(v.worst >= kBugMargin);
+  }
+}
+
+TEST_CASE("a resume with an exchange in flight continues bitwise") {
+  Config c = kBugConfig;  // exchanges start after steps 3, 6, 9, 12 and are applied a step later
+  const Tensors init = initial_values(stand_in_parameters());
+  const Outcome straight = run_trainer(c, init);
+  const int W = c.groups * c.ranks_per_group, stop = 9;
+  std::vector<Tensors> resumed(static_cast<size_t>(W));
+  SimulatedDeviceWorld(W).run([&](DeviceCommunicator& world) {
+    ReplicaGroups groups(world, c.groups);
+    const int g = world.rank() / c.ranks_per_group;
+    std::vector<std::vector<uint8_t>> saved;  // the DiLoCo state, then the parameters
+    Tensors params_at_stop;
+    {
+      RankParameters params(init);
+      DiLoCo diloco(c.settings(), params.fragments(c.fragments), *groups.group, *groups.across);
+      diloco.take_global_copies(0);
+      for (int n = 1; n <= stop; ++n) {
+        CUDA_CHECK(cudaDeviceSynchronize());
+        params.inner_step(g, n);
+        diloco.after_step(n, 0);
+      }
+      CUDA_CHECK(cudaDeviceSynchronize());
+      for (const DiLoCo::Buffer& b : diloco.state_buffers()) {
+        saved.emplace_back(b.bytes);
+        CUDA_CHECK(cudaMemcpy(saved.back().data(), b.data, b.bytes, cudaMemcpyDeviceToHost));
+      }
+      params_at_stop = params.all();
+    }
+    RankParameters params(params_at_stop);
+    DiLoCo diloco(c.settings(), params.fragments(c.fragments), *groups.group, *groups.across);
+    const std::vector<DiLoCo::Buffer> state = diloco.state_buffers();
+    for (size_t i = 0; i < state.size(); ++i)
+      CUDA_CHECK(cudaMemcpy(state[i].data, saved[i].data(), state[i].bytes, cudaMemcpyHostToDevice));
+    diloco.resumed_at(stop);
+    for (int n = stop + 1; n <= c.steps(); ++n) {
+      CUDA_CHECK(cudaDeviceSynchronize());
+      params.inner_step(g, n);
+      diloco.after_step(n, 0);
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    resumed[size_t(world.rank())] = params.all();
+  });
+  bool equal = true;
+  for (int r = 0; r < W; ++r) equal = equal && resumed[size_t(r)] == straight.after_steps[size_t(r)];
+  std::printf("  stopped after step %d (the exchange of step 9 in flight), resumed to step %d: %s\n", stop, c.steps(),
+              equal ? "bitwise equal" : "DIFFERENT");
+  CHECK(equal);
+}
+
+TEST_CASE("the trainer's fragments are the reference's, and one group builds no communicator") {
+  DeviceMemory memory;
+  ParameterStore store(gpu_config(), memory);
+  for (int F : {1, 2, 3, 5, 12}) {
+    const std::vector<int> want = reference_fragment_of(reference_config(), F);
+    const std::vector<std::vector<ParamStorage>> got = diloco_fragments(store, F);
+    std::vector<int> got_of(store.list.size(), -1);
+    for (size_t f = 0; f < got.size(); ++f)
+      for (const ParamStorage& s : got[f])
+        for (size_t p = 0; p < store.list.size(); ++p) {
+          const Param& param = store.list[p];
+          const void* at = param.is_embedding() ? static_cast<void*>(store.embeddings + param.offset)
+                                                : static_cast<void*>(store.master + param.offset);
+          if (at == s.data && size_t(param.numel) == s.count && param.is_embedding() == s.bf16) got_of[p] = int(f);
+        }
+    std::printf("  F = %2d: fragments of the %zu parameters %s\n", F, got_of.size(), got_of == want ? "agree" : "DIFFER");
+    CHECK(got_of == want);
+  }
+  SingleRankCommunicator alone;
+  ReplicaGroups one(alone, 1);
+  CHECK(!one.group && !one.across);  // G = 1: TrainingRun makes no DiLoCo, today's run bit for bit
+}
+
+TEST_CASE("groups fed the same batches through the trainer's step stay bitwise equal") {
+  constexpr int kT = 128, kMicro = 2, kSteps = 3;
+  Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
+  Config c{2, 1, 2, 2, 0};
+  GPTConfig config = gpu_config();
+  config.model_dim = 128;
+  config.num_heads = 1;
+  config.vocab_size = 512;
+  config.bos_token = 511;
+  const std::vector<uint16_t> tokens = synthetic_tokens(size_t(kSteps) * kMicro * kT + 1, 512, 511, 0.01, 4);
+  std::vector<Tensors> ranks(2);
+  SimulatedDeviceWorld(2).run([&](DeviceCommunicator& world) {
+    ReplicaGroups groups(world, c.groups);
+    RankTrainer t(h, *groups.group, config);
+    initialize_parameters(t.model.config(), t.model.params, 21);
+    DiLoCo diloco(c.settings(), diloco_fragments(t.model.params, c.fragments), *groups.group, *groups.across);
+    diloco.take_global_copies(0);
+    for (int step = 0; step < kSteps; ++step) {
+      HostBatch host(tokens.data() + size_t(step) * kMicro * kT, kMicro, kT, step);  // every micro-sequence
+      train_step(t.model, t.acts, t.optimizers, host.batch, step, schedule_of(h), /*fp8_head=*/false, 0);
+      diloco.after_step(step + 1, 0);
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    Tensors values;
+    for (const Param& p : t.model.params.list) {
+      std::vector<float> v(p.numel);
+      if (p.is_embedding()) {
+        std::vector<bf16> e(p.numel);
+        CUDA_CHECK(cudaMemcpy(e.data(), t.model.params.embeddings + p.offset, e.size() * 2, cudaMemcpyDeviceToHost));
+        values.push_back(to_double(e));
+      } else {
+        CUDA_CHECK(cudaMemcpy(v.data(), t.model.params.master + p.offset, v.size() * 4, cudaMemcpyDeviceToHost));
+        values.push_back(to_double(v));
+      }
+    }
+    ranks[size_t(world.rank())] = values;
+  });
+  std::printf("  two groups, %d steps with syncs after steps 1, 2, 3: %s\n", kSteps,
+              ranks[0] == ranks[1] ? "bitwise equal" : "DIFFERENT");
+  CHECK(ranks[0] == ranks[1]);
+}
+
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }
