@@ -621,16 +621,18 @@ inline std::string exact_flag_lines(Hyperparameters h, const std::function<bool(
 }
 
 // The flags a checkpoint's state depends on (the data, the batch, the schedules, the optimizers'
-// settings, the head, the gradient traffic) and the world size, as "name=value" lines: a resumed
+// settings, the head, the gradient traffic, DiLoCo's) and the world size, as "name=value" lines: a resumed
 // run must have the same, or it would not continue the same run.
 inline std::string resume_flags(const Hyperparameters& h, int world_size) {
   static const char* const names[] = {
       "train-files", "seq-len", "micro-batches", "num-iterations", "cooldown-frac", "adam-lr", "adam-beta1",
       "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
-      "muon-momentum-warmup", "bf16-head", "grad-comm", "diloco-groups", "diloco-fragments", "diloco-sync-every",
-      "diloco-sync-delay", "diloco-outer-lr", "diloco-outer-momentum", "diloco-alpha", "diloco-comm"};
-  return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [](const std::string& name) {
-           return std::find(std::begin(names), std::end(names), name) != std::end(names);
+      "muon-momentum-warmup", "bf16-head", "grad-comm"};
+  // DiLoCo's only where it is on, so that a checkpoint of a run without it reads as before
+  const bool diloco = h.diloco_groups > 1;
+  return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [diloco](const std::string& name) {
+           return std::find(std::begin(names), std::end(names), name) != std::end(names) ||
+                  (diloco && name.rfind("diloco-", 0) == 0);
          });
 }
 

@@ -271,6 +271,14 @@ TEST_CASE("a resumed run must have the checkpoint's training settings; each diff
   other.checkpoint_every = 5;
   CHECK(resume_flag_differences(saved, resume_flags(other, 4)) ==
         "--world-size was 8, is 4; --seq-len was 49152, is 16384; --adam-lr was 0.008, is 0.008000000000000002");
+  // DiLoCo's settings count where it is on; without it a checkpoint's flags read as before DiLoCo
+  CHECK(saved.find("diloco") == std::string::npos);
+  Hyperparameters diloco = h;
+  diloco.diloco_groups = 2;
+  CHECK(resume_flag_differences(saved, resume_flags(diloco, 8)) ==
+        "--diloco-groups was (none), is 2; --diloco-fragments was (none), is 3; --diloco-sync-every was (none), is 30; "
+        "--diloco-sync-delay was (none), is 0; --diloco-outer-lr was (none), is 0.7; --diloco-outer-momentum was (none), "
+        "is 0.9; --diloco-alpha was (none), is 0; --diloco-comm was (none), is fp32");
 }
 
 int main() { return check::run_checks(); }
