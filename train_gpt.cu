@@ -2266,7 +2266,7 @@ class TrainingRun {
     if (step == counters_.step) check_rank_consistency(model_.params, group(), checksum_, 0);  // after the first step
     std::string line = train_step_line(step + 1, h_.num_iterations, counters_.train_ms);
     say(line, /*console=*/false);
-    if (!sync_line.empty()) say(sync_line, /*console=*/false);
+    if (!sync_line.empty()) say(sync_line);
     if (log_)
       std::printf("%s\n", console_step_line(line, loss, step_ms, h_.micro_batches * h_.seq_len,
                                              training_flops_per_token(model_.params.list), h_.num_iterations - step - 1)

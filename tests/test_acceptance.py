@@ -118,6 +118,13 @@ STAND_INS = {
                   "self-check fp8 head logits: rel. error 4.0e-03 (bound 5e-02) ok")
             print(f"self-check: 2 checks, {int(behaviour == 'fail')} failed, 2.1 s")
             sys.exit(6 if behaviour == "fail" else 0)
+        if "--diloco-groups" in args:  # FAKE_RUN_FAILS "diloco:<W>" fails that one
+            if f"diloco:{W}" == os.environ.get("FAKE_RUN_FAILS"):
+                print("error: ranks disagree on parameter embed.weight (rank 0 differs from the mean)")
+                sys.exit(1)
+            for fragment, step in ((0, 3), (1, 4), (0, 4), (1, 4)):
+                print(f"diloco: fragment {fragment} synced after step {step} (exchange started after step 2): ...")
+            sys.exit(0)
         run = f"{flag('--grad-comm')}:{W}"
         if run == os.environ.get("FAKE_RUN_FAILS"):
             print("error: NCCL error: unhandled system error")
@@ -264,9 +271,10 @@ class AcceptanceTest(unittest.TestCase):
         status, report, output = self.acceptance("nccl", gpus=4, FAKE_BROKEN="bf16-rs:4",
                                                  FAKE_RUN_FAILS="a2a-fp32acc:2")
         self.assertEqual(status, 1, output)
-        runs = [(c["NPROC"], c["args"][c["args"].index("--grad-comm") + 1]) for c in self.run_sh_calls()]
+        runs = [(c["NPROC"], c["args"][c["args"].index("--grad-comm") + 1] if "--grad-comm" in c["args"] else "diloco")
+                for c in self.run_sh_calls()]
         self.assertEqual(runs, [(1, "fp32-rs"), (2, "fp32-rs"), (2, "bf16-rs"), (2, "a2a-fp32acc"),
-                                (4, "fp32-rs"), (4, "bf16-rs"), (4, "a2a-fp32acc")])
+                                (4, "fp32-rs"), (4, "bf16-rs"), (4, "a2a-fp32acc"), (2, "diloco"), (4, "diloco")])
         args = self.run_sh_calls()[0]["args"]
         for flag, value in (("--micro-batches", "8"), ("--seed", "1234"), ("--warmup-steps", "0"),
                             ("--num-iterations", "4")):
@@ -280,6 +288,13 @@ class AcceptanceTest(unittest.TestCase):
         self.assertRegex(rows[5][2], r"^4\.000e-04 \(lm_head\.weight, rank3\)$")
         self.assertEqual(rows[2][2], "the run FAILED (exit 1)")
         self.assertRegex(rows[4][2], r"^1\.000e\+00 \(lm_head\.weight, rank0\)$")
+        diloco = re.findall(r"^\| (\d) \| (\d) \| (\d+) \| (ok|FAILED[^|]*) \| \d+ s \|$", report, re.M)
+        self.assertEqual(diloco, [("2", "1", "4", "ok"), ("4", "2", "4", "ok")])
+
+    def test_a_diloco_run_whose_ranks_disagree_fails_the_nccl_phase(self):
+        status, report, output = self.acceptance("nccl", gpus=2, FAKE_RUN_FAILS="diloco:2")
+        self.assertEqual(status, 1, output)
+        self.assertIn("| 2 | 1 | 0 | FAILED (exit 1: error: ranks disagree on parameter embed.weight", report)
 
     def test_a_second_call_continues_the_report(self):
         self.acceptance("tests", gpus=1)

@@ -10,7 +10,9 @@
 #   bench       our kernel benchmark, then PyTorch's ops beside it (the ratios)
 #   nccl        with 2 or more GPUs: the distributed oracle over real NCCL ranks, one process per
 #               GPU: the trainer at W = 2, 4 and all GPUs in every --grad-comm mode against W = 1
-#               on the same data, compared parameter by parameter (tools/compare_checkpoints.py)
+#               on the same data, compared parameter by parameter (tools/compare_checkpoints.py);
+#               then Streaming DiLoCo in 2 groups at W = 2 (and 4): its communicator splits and
+#               exchanges over NCCL, the trainer checking that all ranks agree after the final sync
 # No argument runs them all, in this order; arguments run the phases named, in the order given.
 # One report: logs/acceptance-<host>-<date>.md (ACCEPTANCE_REPORT names another); each call adds
 # its machine's environment, then each phase its section; a phase's whole output goes to
@@ -227,6 +229,34 @@ phase_nccl() {
       say "| $mode | $W | $result | $((SECONDS - start)) s |"
       rm -rf "$dir"
     done
+  done
+  phase_nccl_diloco || failed=1
+  return "$failed"
+}
+
+# Streaming DiLoCo over NCCL ranks, 2 groups: each fragment's exchange starts a step before it is
+# applied, the last one still in flight at the end; the trainer's own checksums over every rank
+# after the final sync fail the run if the groups do not hold one model.
+phase_nccl_diloco() {
+  local W out status syncs failed=0 start
+  say "" "Streaming DiLoCo (\`--diloco-groups 2 --diloco-fragments 2 --diloco-sync-every 4 --diloco-sync-delay 1\`," \
+    "the same $oracle_steps steps): every rank must hold the same parameters after the final sync." "" \
+    "| W | groups of | syncs logged | verdict | time |" "|---|---|---|---|---|"
+  for W in 2 4; do
+    ((W <= ${#gpus[@]})) || continue
+    start=$SECONDS
+    out=$work/diloco_W$W.txt
+    capture "$out" env NPROC="$W" ./run.sh "${oracle_flags[@]}" --diloco-groups 2 --diloco-fragments 2 \
+      --diloco-sync-every 4 --diloco-sync-delay 1 --checkpoint-dir "$work/diloco_W$W" --log-dir "$work/logs"
+    status=$?
+    syncs=$(grep -c '^diloco: fragment' "$out")
+    if ((status == 0 && syncs > 0)); then
+      say "| $W | $((W / 2)) | $syncs | ok | $((SECONDS - start)) s |"
+    else
+      say "| $W | $((W / 2)) | $syncs | FAILED (exit $status: $(grep -m1 '^error' "$out")) | $((SECONDS - start)) s |"
+      failed=1
+    fi
+    rm -rf "$work/diloco_W$W"
   done
   return "$failed"
 }
