@@ -6,8 +6,10 @@
 // synthetic update, the same pseudo-random change of every parameter in a group on its ranks and
 // in the reference, on a small stand-in for the record's parameters (12 blocks of two fp32
 // matrices, four bf16 embedding tables, an fp32 head and scalars; sizes that cut slices inside
-// parameters and pad the last one). Then what needs the model: groups fed the same batches stay
-// bitwise equal through the trainer's step, and the trainer's fragments are the reference's.
+// parameters and pad the last one). Then what needs the model: the trainer's real step in 2 groups
+// of 2 ranks against each group alone on one rank with the reference outer loop between the steps
+// (within test_distributed's bound; the flipped sign caught), groups fed the same batches bitwise
+// equal, and the trainer's fragments the reference's.
 #include "gpu/model_fixture.h"
 #include "reference/diloco.h"
 
@@ -399,6 +401,182 @@ TEST_CASE("groups fed the same batches through the trainer's step stay bitwise e
   std::printf("  two groups, %d steps with syncs after steps 1, 2, 3: %s\n", kSteps,
               ranks[0] == ranks[1] ? "bitwise equal" : "DIFFERENT");
   CHECK(ranks[0] == ranks[1]);
+}
+
+namespace {
+
+// The end-to-end oracle's shape: the distributed oracle's (test_distributed), M = 4 micro-sequences
+// of 128 tokens, so that each of the W = 4 ranks of 2 groups trains one.
+constexpr int kT = 128, kMicro = 4, kSteps = 4, kVocab = 512;
+constexpr double kTrainingBound = 0.1;  // test_distributed's bound with fp32 traffic
+
+GPTConfig training_config() {
+  GPTConfig c = gpu_config();
+  c.model_dim = 128;
+  c.num_heads = 1;
+  c.vocab_size = kVocab;
+  c.bos_token = kVocab - 1;
+  return c;
+}
+
+const std::vector<uint16_t>& training_tokens() {
+  static const std::vector<uint16_t> t = synthetic_tokens(size_t(kSteps) * kMicro * kT + 1, kVocab, kVocab - 1, 0.01, 8);
+  return t;
+}
+
+// The micro-sequences of a step that the ranks of group g (of G groups of L) train: j with
+// (j mod W) / L = g, in order of j.
+struct GroupBatch {
+  std::vector<uint16_t> tokens;
+  RankBatch batch;
+  GroupBatch(int step, int g, int G, int L) {
+    const uint16_t* window = training_tokens().data() + size_t(step) * kMicro * kT;
+    int count = 0;
+    for (int j = 0; j < kMicro; ++j)
+      if ((j % (G * L)) / L == g) {
+        tokens.insert(tokens.end(), window + size_t(j) * kT, window + size_t(j) * kT + kT + 1);
+        ++count;
+      }
+    batch = {step, count, kT, tokens.data()};
+  }
+};
+
+Tensors download_parameters(const ParameterStore& s) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  Tensors t;
+  for (const Param& p : s.list) {
+    if (p.is_embedding()) {
+      std::vector<bf16> v(p.numel);
+      CUDA_CHECK(cudaMemcpy(v.data(), s.embeddings + p.offset, v.size() * 2, cudaMemcpyDeviceToHost));
+      t.push_back(to_double(v));
+    } else {
+      std::vector<float> v(p.numel);
+      CUDA_CHECK(cudaMemcpy(v.data(), s.master + p.offset, v.size() * 4, cudaMemcpyDeviceToHost));
+      t.push_back(to_double(v));
+    }
+  }
+  return t;
+}
+
+void upload_parameters(const ParameterStore& s, const Tensors& t) {
+  for (size_t i = 0; i < s.list.size(); ++i) {
+    const Param& p = s.list[i];
+    if (p.is_embedding()) {
+      CUDA_CHECK(cudaMemcpy(s.embeddings + p.offset, to_bf16(t[i]).data(), t[i].size() * 2, cudaMemcpyHostToDevice));
+    } else {
+      const std::vector<float> f(t[i].begin(), t[i].end());
+      CUDA_CHECK(cudaMemcpy(s.master + p.offset, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+    }
+  }
+  refresh_weight_copies(s, 0);
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// The trainer: W = G L simulated ranks, each group's step over its communicator, DiLoCo between.
+// Every rank's parameters after the steps and after the final sync.
+std::pair<std::vector<Tensors>, std::vector<Tensors>> train_with_diloco(const Config& c) {
+  const int W = c.groups * c.ranks_per_group;
+  const Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
+  std::vector<Tensors> after_steps(static_cast<size_t>(W)), after_finish(static_cast<size_t>(W));
+  SimulatedDeviceWorld(W).run([&](DeviceCommunicator& world) {
+    ReplicaGroups groups(world, c.groups);
+    RankTrainer t(h, *groups.group, training_config());
+    initialize_nonzero(t.model.config(), t.model.params, 31);
+    DiLoCo diloco(c.settings(), diloco_fragments(t.model.params, c.fragments), *groups.group, *groups.across);
+    diloco.take_global_copies(0);
+    for (int step = 0; step < kSteps; ++step) {
+      HostBatch host(training_tokens().data() + size_t(step) * kMicro * kT, kMicro, kT, step, world.rank(), W);
+      train_step(t.model, t.acts, t.optimizers, host.batch, step, schedule_of(h), /*fp8_head=*/false, 0);
+      diloco.after_step(step + 1, 0);
+    }
+    after_steps[size_t(world.rank())] = download_parameters(t.model.params);
+    diloco.finish(kSteps, 0);
+    after_finish[size_t(world.rank())] = download_parameters(t.model.params);
+  });
+  return {after_steps, after_finish};
+}
+
+// The reference: each group alone on one rank (the trainer's step, which test_distributed proves
+// equal at any world size), the outer loop by the CPU reference between the steps.
+std::pair<std::vector<Tensors>, std::vector<Tensors>> train_with_reference_outer_loop(const Config& c) {
+  const Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
+  std::vector<SingleRankCommunicator> alone(static_cast<size_t>(c.groups));
+  std::vector<std::unique_ptr<RankTrainer>> trainers;
+  for (SingleRankCommunicator& comm : alone) {
+    trainers.push_back(std::make_unique<RankTrainer>(h, comm, training_config()));
+    initialize_nonzero(trainers.back()->model.config(), trainers.back()->model.params, 31);
+  }
+  std::vector<Tensors> locals(static_cast<size_t>(c.groups));
+  ReferenceOuterLoop loop(c.reference(), reference_fragment_of(reference_config(), c.fragments),
+                          download_parameters(trainers[0]->model.params));
+  auto outer = [&](const std::function<void(std::vector<Tensors*>)>& step_of_loop) {
+    std::vector<Tensors*> pointers;
+    for (int g = 0; g < c.groups; ++g) {
+      locals[size_t(g)] = download_parameters(trainers[size_t(g)]->model.params);
+      pointers.push_back(&locals[size_t(g)]);
+    }
+    step_of_loop(pointers);
+    for (int g = 0; g < c.groups; ++g) upload_parameters(trainers[size_t(g)]->model.params, locals[size_t(g)]);
+  };
+  for (int step = 0; step < kSteps; ++step) {
+    for (int g = 0; g < c.groups; ++g) {
+      GroupBatch batch(step, g, c.groups, c.ranks_per_group);
+      RankTrainer& t = *trainers[size_t(g)];
+      train_step(t.model, t.acts, t.optimizers, batch.batch, step, schedule_of(h), /*fp8_head=*/false, 0);
+    }
+    outer([&](std::vector<Tensors*> groups) { loop.after_step(step + 1, groups); });
+  }
+  std::vector<Tensors> after_steps;
+  for (auto& t : trainers) after_steps.push_back(download_parameters(t->model.params));
+  outer([&](std::vector<Tensors*> groups) { loop.finish(groups); });
+  std::vector<Tensors> after_finish;
+  for (auto& t : trainers) after_finish.push_back(download_parameters(t->model.params));
+  return {after_steps, after_finish};
+}
+
+// The worst relative error of any rank's parameter against its group's reference.
+double worst_training_error(const Config& c, const std::vector<Tensors>& ranks, const std::vector<Tensors>& groups,
+                            std::string& where) {
+  const std::vector<Param> list = parameter_list(training_config());
+  double worst = 0;
+  for (size_t r = 0; r < ranks.size(); ++r)
+    for (size_t p = 0; p < list.size(); ++p) {
+      const double error = relative_error(ranks[r][p], groups[r / size_t(c.ranks_per_group)][p]);
+      if (!(error <= worst)) {
+        worst = std::isnan(error) ? INFINITY : error;
+        where = "rank " + std::to_string(r) + " " + list[p].name;
+      }
+    }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("training: 2 groups of 2 ranks equal each group alone with the reference outer loop; the flipped sign fails") {
+  const Config c{2, 2, 2, 4, 1};  // fragment 0 exchanged after step 2, applied after 3; fragment 1 in flight at the end
+  const auto want = train_with_reference_outer_loop(c);
+  std::string where;
+  const auto got = train_with_diloco(c);
+  const double after_steps = worst_training_error(c, got.first, want.first, where);
+  std::printf("  %s, %d steps: worst relative error %.3e (%s), bound %.2g\n", c.text().c_str(), kSteps, after_steps,
+              where.c_str(), kTrainingBound);
+  const double after_finish = worst_training_error(c, got.second, want.second, where);
+  std::printf("  after the final sync: worst relative error %.3e (%s)\n", after_finish, where.c_str());
+  CHECK(after_steps <= kTrainingBound);
+  CHECK(after_finish <= kTrainingBound);
+  injected_fault() = Fault::diloco_flipped_sign;
+  std::pair<std::vector<Tensors>, std::vector<Tensors>> flipped;
+  try {
+    flipped = train_with_diloco(c);
+  } catch (...) {
+    injected_fault() = Fault::none;
+    throw;
+  }
+  injected_fault() = Fault::none;
+  const double bug = worst_training_error(c, flipped.second, want.second, where);
+  std::printf("  with the flipped sign: worst relative error %.3e (%s): %.0fx the bound\n", bug, where.c_str(),
+              bug / kTrainingBound);
+  CHECK(bug >= kBugMargin * kTrainingBound);
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

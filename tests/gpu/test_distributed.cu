@@ -50,22 +50,6 @@ GPTConfig oracle_config() {
   return c;
 }
 
-// The trainer's initialisation (SPEC 1.6), with the matrices it starts at zero (the projections
-// and lm_head) drawn like qkv instead: otherwise qkv and c_fc get no gradient before step 2.
-void initialize_nonzero(const GPTConfig& c, const ParameterStore& s, uint64_t seed) {
-  initialize_parameters(c, s, seed);
-  std::vector<float> master(s.master_count);
-  CUDA_CHECK(cudaMemcpy(master.data(), s.master, master.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  std::mt19937_64 rng(seed + 1);
-  const float bound = float(std::sqrt(3.0) * 0.5 / std::sqrt(double(c.model_dim)));
-  std::uniform_real_distribution<float> linear(-bound, bound);
-  for (const Param& p : s.list)
-    if (p.kind == ParamKind::attn_proj || p.kind == ParamKind::mlp_proj || p.kind == ParamKind::lm_head)
-      for (int64_t i = 0; i < p.numel; ++i) master[p.offset + i] = linear(rng);
-  CUDA_CHECK(cudaMemcpy(s.master, master.data(), master.size() * sizeof(float), cudaMemcpyHostToDevice));
-  refresh_weight_copies(s, 0);
-}
-
 // Every (grad-comm mode, W) pair.
 std::vector<std::pair<std::string, int>> oracle_cases() {
   std::vector<std::pair<std::string, int>> all;
