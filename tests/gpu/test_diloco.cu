@@ -71,6 +71,7 @@ struct Config {
   int groups, ranks_per_group, fragments, sync_every, delay;
   double alpha = 0;
   bool bf16_exchange = false;
+  double outer_lr = 0.7, outer_momentum = 0.9;
   std::string text() const {
     char s[128];
     std::snprintf(s, sizeof s, "G=%d L=%d F=%d H=%d d=%d alpha=%.1f %s", groups, ranks_per_group, fragments, sync_every,
@@ -82,11 +83,13 @@ struct Config {
     DiLoCoSettings s;
     s.groups = groups, s.fragments = fragments, s.sync_every = sync_every, s.delay = delay, s.alpha = alpha;
     s.bf16_exchange = bf16_exchange;
+    s.outer_lr = outer_lr, s.outer_momentum = outer_momentum;
     return s;
   }
   ReferenceDiLoCoConfig reference() const {
     ReferenceDiLoCoConfig r;
     r.groups = groups, r.fragments = fragments, r.sync_every = sync_every, r.delay = delay, r.alpha = alpha;
+    r.outer_lr = outer_lr, r.outer_momentum = outer_momentum;
     return r;
   }
 };
@@ -263,6 +266,27 @@ TEST_CASE("every configuration: the trainer's outer loop on G x L simulated rank
     worst = std::max(worst, v.worst);
   }
   std::printf("  %zu configurations, worst %.3f of the bound\n", configs.size(), worst);
+}
+
+TEST_CASE("H = 1, F = 1, outer lr 1, momentum 0, alpha 0: every step the groups take the mean of their parameters") {
+  Config c{3, 2, 1, 1, 0};
+  c.outer_lr = 1, c.outer_momentum = 0;
+  const Tensors init = initial_values(stand_in_parameters());
+  Expected mean;  // init + the sum over steps of the groups' mean change, for every group alike
+  Tensors expected = init;
+  for (int n = 1; n <= c.steps(); ++n)
+    for (size_t p = 0; p < expected.size(); ++p)
+      for (size_t k = 0; k < expected[p].size(); ++k) {
+        double sum = 0;
+        for (int g = 0; g < c.groups; ++g) sum += synthetic_change(g, n, p, k);
+        expected[p][k] += sum / c.groups;
+      }
+  mean.after_steps.assign(size_t(c.groups), expected);
+  mean.after_finish = mean.after_steps;  // a sync of groups that agree changes nothing
+  const Verdict v = compare(c, run_trainer(c, init), mean);
+  std::printf("  %s: worst %.2e (%.3f of its bound; %s); fp32 masters %.1e\n", c.text().c_str(), v.error, v.worst,
+              v.where.c_str(), v.fp32_error);
+  CHECK(v.worst <= 1);
 }
 
 TEST_CASE("every injected DiLoCo bug is caught by 10x its bound or more") {
