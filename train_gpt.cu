@@ -91,6 +91,7 @@ struct Hyperparameters {
   double diloco_outer_lr = 0.7, diloco_outer_momentum = 0.9;  // the DiLoCo paper's outer Nesterov SGD
   double diloco_alpha = 0;
   std::string diloco_comm = "fp32";
+  bool diloco_host_copies = false;
   // fast paths (kernels/self_check.cuh): each may be replaced by its simple reference
   std::string attention = "flash";     // flash or reference
   std::string fp8_gradient = "fused";  // fused or cast
@@ -210,6 +211,8 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        [&h] { return h.diloco_alpha >= 0 && h.diloco_alpha <= 1; }, "in [0, 1]"},
       {"diloco-comm", &h.diloco_comm, "DiLoCo pseudo-gradient traffic across groups: fp32 or bf16",
        one_of(&h.diloco_comm, {"fp32", "bf16"}), "fp32 or bf16"},
+      {"diloco-host-copies", &h.diloco_host_copies,
+       "DiLoCo: the global copies and outer momentum in pinned host memory (read over PCIe at each sync)", nullptr, ""},
       {"attention", &h.attention, "attention kernels: flash (wgmma) or reference (warp per row; slower)",
        one_of(&h.attention, {"flash", "reference"}), "flash or reference"},
       {"fp8-gradient", &h.fp8_gradient,
@@ -628,11 +631,12 @@ inline std::string resume_flags(const Hyperparameters& h, int world_size) {
       "train-files", "seq-len", "micro-batches", "num-iterations", "cooldown-frac", "adam-lr", "adam-beta1",
       "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
       "muon-momentum-warmup", "bf16-head", "grad-comm"};
-  // DiLoCo's only where it is on, so that a checkpoint of a run without it reads as before
+  // DiLoCo's only where it is on, so that a checkpoint of a run without it reads as before (where
+  // its copies live changes no state)
   const bool diloco = h.diloco_groups > 1;
   return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [diloco](const std::string& name) {
            return std::find(std::begin(names), std::end(names), name) != std::end(names) ||
-                  (diloco && name.rfind("diloco-", 0) == 0);
+                  (diloco && name.rfind("diloco-", 0) == 0 && name != "diloco-host-copies");
          });
 }
 
@@ -1659,6 +1663,7 @@ inline DiLoCoSettings diloco_settings(const Hyperparameters& h) {
   s.outer_momentum = h.diloco_outer_momentum;
   s.alpha = h.diloco_alpha;
   s.bf16_exchange = h.diloco_comm == "bf16";
+  s.host_copies = h.diloco_host_copies;
   return s;
 }
 

@@ -41,6 +41,7 @@ struct DiLoCoSettings {
   double outer_momentum = 0.9;
   double alpha = 0;           // mix: 0 takes the global copy, 1 keeps the local parameters
   bool bf16_exchange = false; // pseudo-gradients travel in bf16 (half the bytes)
+  bool host_copies = false;   // the global copies and outer momentum in pinned host memory, mapped
   int period() const { return sync_every / fragments; }
 };
 
@@ -161,8 +162,8 @@ class DiLoCo {
       sl.share = (total + L - 1) / L;
       sl.mine = slice_pieces(f, sl.share * group_.rank(), std::min(total, sl.share * (group_.rank() + 1)));
       for (int q = 0; q < L; ++q) sl.of_rank.push_back(slice_pieces(f, sl.share * q, std::min(total, sl.share * (q + 1))));
-      sl.global = alloc<float>(sl.share);
-      sl.momentum = alloc<float>(sl.share);
+      sl.global = alloc_copy(sl.share);
+      sl.momentum = alloc_copy(sl.share);
       CUDA_CHECK(cudaMemset(sl.global, 0, sl.share * sizeof(float)));
       CUDA_CHECK(cudaMemset(sl.momentum, 0, sl.share * sizeof(float)));
       largest = std::max(largest, sl.share);
@@ -180,6 +181,7 @@ class DiLoCo {
   }
   ~DiLoCo() {
     for (void* p : owned_) cudaFree(p);
+    for (void* p : owned_host_) cudaFreeHost(p);
     cudaEventDestroy(ready_);
     cudaEventDestroy(exchanged_);
     cudaStreamDestroy(exchange_stream_);
@@ -268,6 +270,15 @@ class DiLoCo {
     CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
     owned_.push_back(p);
     return static_cast<T*>(p);
+  }
+  // A global copy's or momentum's slice: in device memory, or pinned host memory that the kernels
+  // read and write over PCIe (the same pointer on the device, with unified addressing).
+  float* alloc_copy(size_t count) {
+    if (!s_.host_copies) return alloc<float>(count);
+    void* p = nullptr;
+    CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(count, 1) * sizeof(float), cudaHostAllocMapped));
+    owned_host_.push_back(p);
+    return static_cast<float*>(p);
   }
   size_t largest_share() const {
     size_t largest = 0;
@@ -385,5 +396,5 @@ class DiLoCo {
   std::optional<Pending> pending_;
   cudaStream_t exchange_stream_ = nullptr;
   cudaEvent_t ready_ = nullptr, exchanged_ = nullptr;
-  std::vector<void*> owned_;
+  std::vector<void*> owned_, owned_host_;
 };

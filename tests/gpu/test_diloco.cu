@@ -72,6 +72,7 @@ struct Config {
   double alpha = 0;
   bool bf16_exchange = false;
   double outer_lr = 0.7, outer_momentum = 0.9;
+  bool host_copies = false;
   std::string text() const {
     char s[128];
     std::snprintf(s, sizeof s, "G=%d L=%d F=%d H=%d d=%d alpha=%.1f %s", groups, ranks_per_group, fragments, sync_every,
@@ -84,6 +85,7 @@ struct Config {
     s.groups = groups, s.fragments = fragments, s.sync_every = sync_every, s.delay = delay, s.alpha = alpha;
     s.bf16_exchange = bf16_exchange;
     s.outer_lr = outer_lr, s.outer_momentum = outer_momentum;
+    s.host_copies = host_copies;
     return s;
   }
   ReferenceDiLoCoConfig reference() const {
@@ -312,6 +314,16 @@ TEST_CASE("every injected DiLoCo bug is caught by 10x its bound or more") {
                 v.worst);
     CHECK(v.worst >= kBugMargin);
   }
+}
+
+TEST_CASE("the global copies and outer momentum in pinned host memory give the same parameters, bitwise") {
+  Config on_host = kBugConfig;
+  on_host.host_copies = true;
+  const Tensors init = initial_values(stand_in_parameters());
+  const Outcome device = run_trainer(kBugConfig, init), host = run_trainer(on_host, init);
+  const bool equal = device.after_steps == host.after_steps && device.after_finish == host.after_finish;
+  std::printf("  %s: %s\n", on_host.text().c_str(), equal ? "bitwise equal" : "DIFFERENT");
+  CHECK(equal);
 }
 
 TEST_CASE("a resume with an exchange in flight continues bitwise") {
