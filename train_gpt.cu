@@ -2232,6 +2232,7 @@ class TrainingRun {
   void write_timeline(const Timeline& timeline, int step) {
     model_.set_timeline(nullptr);
     optimizers_.set_timeline(nullptr);
+    if (diloco_) diloco_->set_timeline(nullptr);
     const std::string path = h_.log_dir + "/timeline_rank" + std::to_string(comm_->rank()) + "_step" +
                              std::to_string(step) + ".json";
     std::filesystem::create_directories(h_.log_dir);
@@ -2256,6 +2257,7 @@ class TrainingRun {
     if (step + 1 == h_.timeline_step) timeline = std::make_unique<Timeline>();
     model_.set_timeline(timeline.get());
     optimizers_.set_timeline(timeline.get());
+    if (diloco_) diloco_->set_timeline(timeline.get());
     auto start = std::chrono::steady_clock::now();
     double loss_sum = train_step(model_, train_, optimizers_, batch, step, schedule_, paths_.fp8_head, 0);
     const std::string sync_line = diloco_ ? diloco_->after_step(step + 1, 0) : "";

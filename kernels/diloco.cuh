@@ -22,6 +22,7 @@
 #include "kernels/device_comm.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/faults.h"
+#include "kernels/timeline.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -149,12 +150,12 @@ struct ReplicaGroups {
 class DiLoCo {
  public:
   // fragments: each fragment's parameters in order (this rank's storage, whole).
-  DiLoCo(const DiLoCoSettings& settings, std::vector<std::vector<ParamStorage>> fragments, DeviceCommunicator& group,
+  DiLoCo(const DiLoCoSettings& settings, const std::vector<std::vector<ParamStorage>>& fragments, DeviceCommunicator& group,
          DeviceCommunicator& across)
-      : s_(settings), fragments_(std::move(fragments)), group_(group), across_(across) {
+      : s_(settings), group_(group), across_(across) {
     const int L = group_.world_size();
     size_t largest = 0;
-    for (const std::vector<ParamStorage>& f : fragments_) {
+    for (const std::vector<ParamStorage>& f : fragments) {
       size_t total = 0;
       for (const ParamStorage& p : f) total += p.count;
       Slices sl;
@@ -188,6 +189,9 @@ class DiLoCo {
   }
   DiLoCo(const DiLoCo&) = delete;
   DiLoCo& operator=(const DiLoCo&) = delete;
+
+  // Spans of each exchange and its application go to this timeline (null: none).
+  void set_timeline(Timeline* timeline) { timeline_ = timeline; }
 
   // The global copies become the local parameters (identical in every group at the start).
   void take_global_copies(cudaStream_t stream) {
@@ -317,6 +321,7 @@ class DiLoCo {
     }
     CUDA_CHECK(cudaEventRecord(ready_, stream));
     CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, ready_, 0));
+    TimelineSpan span(timeline_, "communication", "diloco exchange of fragment " + std::to_string(f), exchange_stream_);
     if (s_.bf16_exchange) {
       convert(send_, traffic_, sl.share, exchange_stream_);
       across_.all_reduce_sum(traffic_, traffic_ + sl.share, sl.share, DeviceDType::bf16, exchange_stream_);
@@ -328,14 +333,32 @@ class DiLoCo {
     pending_ = Pending{f, steps_done, diloco_apply_step(s_, steps_done)};
   }
 
-  // The outer step on this rank's slice, the mix into the local parameters, the group's gather.
+  // The exchange in flight, once in, applied (outer_step); returns its log line.
   std::string apply(int steps_done, double alpha, cudaStream_t stream) {
     const Pending p = *pending_;
     pending_.reset();
     Slices& sl = slices_[size_t(p.fragment)];
     CUDA_CHECK(cudaStreamWaitEvent(stream, exchanged_, 0));
-    const size_t valid = my_valid(sl);
     const int G = across_.world_size();
+    outer_step(sl, alpha, stream);
+    float norm = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof norm, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    const double norm_of_average = std::sqrt(group_.all_reduce_sum(double(norm) * norm)) / G;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "diloco: fragment %d synced after step %d (exchange started after step %d): pseudo-gradient norm "
+                  "%.4e, %.1f MB sent across groups by each rank",
+                  p.fragment, steps_done, p.started, norm_of_average, bytes_sent_per_exchange(p.fragment) / 1e6);
+    return line;
+  }
+
+  // On this rank's slice of a fragment whose exchange is in: Δ̄'s norm (for the log), the outer
+  // step, the mix into the local parameters, the group's gather.
+  void outer_step(Slices& sl, double alpha, cudaStream_t stream) {
+    TimelineSpan span(timeline_, "compute", "diloco outer step", stream);
+    const int G = across_.world_size();
+    const size_t valid = my_valid(sl);
     const float divisor = float(injected_fault() == Fault::diloco_average_by_world ? G * group_.world_size() : G);
     frobenius_norms_kernel<<<1, kFrobeniusThreads, 0, stream>>>(received_, valid, norm_);
     CUDA_CHECK_LAUNCH();
@@ -359,16 +382,6 @@ class DiLoCo {
       CUDA_CHECK_LAUNCH();
     }
     gather_in_group(sl, stream);
-    float norm = 0;
-    CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof norm, cudaMemcpyDeviceToHost, stream));
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    const double norm_of_average = std::sqrt(group_.all_reduce_sum(double(norm) * norm)) / G;
-    char line[256];
-    std::snprintf(line, sizeof line,
-                  "diloco: fragment %d synced after step %d (exchange started after step %d): pseudo-gradient norm "
-                  "%.4e, %.1f MB sent across groups by each rank",
-                  p.fragment, steps_done, p.started, norm_of_average, bytes_sent_per_exchange(p.fragment) / 1e6);
-    return line;
   }
 
   // Every rank's mixed slice to the group's other ranks (in fp32: bf16 values travel exactly).
@@ -384,7 +397,6 @@ class DiLoCo {
   }
 
   DiLoCoSettings s_;
-  std::vector<std::vector<ParamStorage>> fragments_;
   DeviceCommunicator& group_;
   DeviceCommunicator& across_;
   std::vector<Slices> slices_;         // [F]
@@ -397,4 +409,5 @@ class DiLoCo {
   cudaStream_t exchange_stream_ = nullptr;
   cudaEvent_t ready_ = nullptr, exchanged_ = nullptr;
   std::vector<void*> owned_, owned_host_;
+  Timeline* timeline_ = nullptr;
 };

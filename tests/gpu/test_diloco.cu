@@ -13,6 +13,10 @@
 #include "gpu/model_fixture.h"
 #include "reference/diloco.h"
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 namespace {
@@ -324,6 +328,43 @@ TEST_CASE("the global copies and outer momentum in pinned host memory give the s
   const bool equal = device.after_steps == host.after_steps && device.after_finish == host.after_finish;
   std::printf("  %s: %s\n", on_host.text().c_str(), equal ? "bitwise equal" : "DIFFERENT");
   CHECK(equal);
+}
+
+TEST_CASE("a traced step shows the exchange on its own stream before its outer step") {
+  const Config c{2, 1, 2, 4, 1};  // fragment 0's exchange starts after step 2, is applied after step 3
+  const Tensors init = initial_values(stand_in_parameters());
+  const std::string path = (std::filesystem::temp_directory_path() / ("speedrun_diloco_" + std::to_string(getpid()) + ".json")).string();
+  SimulatedDeviceWorld(2).run([&](DeviceCommunicator& world) {
+    RankParameters params(init);
+    ReplicaGroups groups(world, c.groups);
+    DiLoCo diloco(c.settings(), params.fragments(c.fragments), *groups.group, *groups.across);
+    diloco.take_global_copies(0);
+    Timeline timeline;
+    if (world.rank() == 0) diloco.set_timeline(&timeline);
+    for (int n = 1; n <= 3; ++n) {
+      CUDA_CHECK(cudaDeviceSynchronize());
+      params.inner_step(world.rank(), n);
+      diloco.after_step(n, 0);
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    if (world.rank() == 0) timeline.write_chrome_trace(path, 0);
+  });
+  std::ifstream in(path);
+  std::vector<std::pair<double, std::string>> spans;  // (start in us, name)
+  for (std::string line; std::getline(in, line);) {
+    const size_t name = line.find("\"name\": \"diloco");
+    if (name == std::string::npos) continue;
+    const size_t first = name + 9;
+    spans.push_back({std::stod(line.substr(line.find("\"ts\": ") + 6)), line.substr(first, line.find('"', first) - first)});
+  }
+  std::filesystem::remove(path);
+  std::sort(spans.begin(), spans.end());
+  for (const auto& [start, name] : spans) std::printf("  %8.0f us: %s\n", start, name.c_str());
+  CHECK(spans.size() == 2);
+  if (spans.size() == 2) {
+    CHECK(spans[0].second == "diloco exchange of fragment 0");
+    CHECK(spans[1].second == "diloco outer step");
+  }
 }
 
 TEST_CASE("a resume with an exchange in flight continues bitwise") {
