@@ -1,11 +1,14 @@
 // The CPU reference's building blocks against values fixed by SPEC Part 1: parameter counts, the
-// step-0 loss, FP8 rounding, the attention block mask, the optimizers and the schedules.
+// step-0 loss, FP8 rounding, the attention block mask, the optimizers and the schedules; REKLS's
+// eigensolver and update against hand computations.
 #include "check.h"
 #include "reference/optim.h"
+#include "reference/rekls.h"
 #include "reference/synthetic.h"
 
 #include <algorithm>
 #include <numeric>
+#include <random>
 
 TEST_CASE("record config has 275,742,784 parameters in the SPEC's split") {
   int64_t embeddings = 0, hidden = 0, head = 0, scalars = 0;
@@ -164,6 +167,173 @@ TEST_CASE("muon: momentum, nesterov form and the shape scale of tall matrices") 
   }
   newton_schulz5(nesterov, 4, 2, cfg);
   for (int i = 0; i < 8; ++i) CHECK_NEAR(p[i], -0.05 * std::sqrt(2.0) * nesterov[i], 1e-14);
+}
+
+namespace {
+
+std::vector<double> random_matrix(int rows, int cols, unsigned seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  std::vector<double> x(size_t(rows) * cols);
+  for (double& e : x) e = normal(rng);
+  return x;
+}
+
+double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  return worst;
+}
+
+// An orthogonal [n, n]: the eigenvectors of a random symmetric matrix.
+std::vector<double> random_orthogonal(int n, unsigned seed) {
+  std::vector<double> a = random_matrix(n, n, seed), s(size_t(n) * n), values, vectors;
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) s[size_t(i) * n + j] = a[size_t(i) * n + j] + a[size_t(j) * n + i];
+  symmetric_eigen(s, n, values, vectors);
+  return vectors;
+}
+
+// The inverse of a [n, n] by Gauss-Jordan with partial pivoting (independent of the eigensolver).
+std::vector<double> inverse(std::vector<double> a, int n) {
+  std::vector<double> inv(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i) inv[size_t(i) * n + i] = 1;
+  for (int c = 0; c < n; ++c) {
+    int pivot = c;
+    for (int r = c + 1; r < n; ++r)
+      if (std::fabs(a[size_t(r) * n + c]) > std::fabs(a[size_t(pivot) * n + c])) pivot = r;
+    for (int k = 0; k < n; ++k) {
+      std::swap(a[size_t(c) * n + k], a[size_t(pivot) * n + k]);
+      std::swap(inv[size_t(c) * n + k], inv[size_t(pivot) * n + k]);
+    }
+    const double d = a[size_t(c) * n + c];
+    for (int k = 0; k < n; ++k) a[size_t(c) * n + k] /= d, inv[size_t(c) * n + k] /= d;
+    for (int r = 0; r < n; ++r) {
+      if (r == c) continue;
+      const double f = a[size_t(r) * n + c];
+      for (int k = 0; k < n; ++k) a[size_t(r) * n + k] -= f * a[size_t(c) * n + k], inv[size_t(r) * n + k] -= f * inv[size_t(c) * n + k];
+    }
+  }
+  return inv;
+}
+
+}  // namespace
+
+TEST_CASE("symmetric eigen: Q diag(values) Q^T, orthonormal, ascending, repeated eigenvalues") {
+  const int n = 9;
+  const std::vector<double> Q = random_orthogonal(n, 7);
+  const std::vector<double> known = {-2, -0.5, 0, 0, 0, 1e-3, 1, 1, 4};  // a null space and a pair
+  std::vector<double> a(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < n; ++k) a[size_t(i) * n + j] += Q[size_t(i) * n + k] * known[k] * Q[size_t(j) * n + k];
+  std::vector<double> values, vectors;
+  symmetric_eigen(a, n, values, vectors);
+  for (int k = 0; k < n; ++k) CHECK_NEAR(values[k], known[k], 1e-13);
+  std::vector<double> rebuilt(size_t(n) * n, 0.0), gram(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < n; ++k) {
+        rebuilt[size_t(i) * n + j] += vectors[size_t(i) * n + k] * values[k] * vectors[size_t(j) * n + k];
+        gram[size_t(i) * n + j] += vectors[size_t(k) * n + i] * vectors[size_t(k) * n + j];
+      }
+  CHECK(max_abs_difference(rebuilt, a) < 1e-13);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) CHECK_NEAR(gram[size_t(i) * n + j], i == j ? 1.0 : 0.0, 1e-14);
+}
+
+TEST_CASE("rekls: rotating into the eigenbases and out again is the identity") {
+  ReklsState s(6, 4);
+  const std::vector<double> A = random_matrix(6, 4, 11), X = random_matrix(6, 4, 12);
+  rekls_update_factors(s, A, 0.0, 1e-8);
+  rekls_refresh_eigenbasis(s);
+  CHECK(max_abs_difference(rekls_rotate_out(rekls_rotate_in(X, s), s), X) < 1e-13);
+  CHECK(max_abs_difference(rekls_rotate_in(rekls_rotate_out(X, s), s), X) < 1e-13);
+  CHECK(max_abs_difference(rekls_rotate_in(X, s), X) > 0.1);  // the bases are not the identity
+}
+
+TEST_CASE("rekls: the first step moves P by lr times G's polar factor, plus weight decay") {
+  // Step 1: L = G G^T / (n eps), R = G^T G / (m eps) (zero eigenvalues clamped to eps, b = 0), so
+  // Q_L, Q_R are G's singular vectors, G' = diag(s) and U = sign(G') (up to eps / s): the update
+  // is U_G V_G^T = G (G^T G)^(-1/2), Adam's sign step in the singular basis.
+  const int m = 5, n = 3;
+  ReklsConfig cfg;
+  std::vector<double> g = random_matrix(m, n, 21), p = random_matrix(m, n, 22), p0 = p;
+  ReklsState s(m, n);
+  rekls_update(p.data(), g.data(), s, cfg.lr, 1, cfg);
+  std::vector<double> gram(size_t(n) * n, 0.0), values, vectors;
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < m; ++k) gram[size_t(i) * n + j] += g[size_t(k) * n + i] * g[size_t(k) * n + j];
+  symmetric_eigen(gram, n, values, vectors);
+  std::vector<double> inverse_root(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < n; ++k)
+        inverse_root[size_t(i) * n + j] += vectors[size_t(i) * n + k] * vectors[size_t(j) * n + k] / std::sqrt(values[k]);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      double polar = 0;
+      for (int k = 0; k < n; ++k) polar += g[size_t(i) * n + k] * inverse_root[size_t(k) * n + j];
+      const size_t at = size_t(i) * n + j;
+      CHECK_NEAR(p[at], p0[at] * (1 - cfg.lr * cfg.weight_decay) - cfg.lr * polar, 1e-9);
+    }
+  for (int j = 0; j < n; ++j) CHECK_NEAR(s.lam_R[j], values[n - 1 - j] / (m * cfg.eps), 1e-6 * values[n - 1]);
+}
+
+TEST_CASE("rekls: the second step's factors follow the KL rule with the first step's inverse factors") {
+  // With exact eigenbases and eigenvalues above eps, Q diag(lam^-1) Q^T is the inverse factor:
+  // L2 = b L1 + (1 - b) G2 R1^-1 G2^T / n, R2 = b R1 + (1 - b) G2^T L1^-1 G2 / m, b = 1 - 0.05 / (1 - 0.95^2).
+  const int m = 4, n = 4;
+  ReklsConfig cfg;
+  std::vector<double> p = random_matrix(m, n, 31), g1 = random_matrix(m, n, 32), g2 = random_matrix(m, n, 33);
+  ReklsState s(m, n);
+  rekls_update(p.data(), g1.data(), s, cfg.lr, 1, cfg);
+  const std::vector<double> L1 = s.L, R1 = s.R, L1_inv = inverse(L1, m), R1_inv = inverse(R1, n);
+  rekls_update(p.data(), g2.data(), s, cfg.lr, 2, cfg);
+  const double b = 1 - 0.05 / (1 - 0.95 * 0.95);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < m; ++j) {
+      double kl = 0;
+      for (int k = 0; k < n; ++k)
+        for (int l = 0; l < n; ++l) kl += g2[size_t(i) * n + k] * R1_inv[size_t(k) * n + l] * g2[size_t(j) * n + l];
+      const double expected = b * L1[size_t(i) * m + j] + (1 - b) * kl / n;
+      CHECK_NEAR(s.L[size_t(i) * m + j], expected, 1e-9 * std::fabs(L1[0]));
+    }
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) {
+      double kl = 0;
+      for (int k = 0; k < m; ++k)
+        for (int l = 0; l < m; ++l) kl += g2[size_t(k) * n + i] * L1_inv[size_t(k) * m + l] * g2[size_t(l) * n + j];
+      const double expected = b * R1[size_t(i) * n + j] + (1 - b) * kl / m;
+      CHECK_NEAR(s.R[size_t(i) * n + j], expected, 1e-9 * std::fabs(R1[0]));
+    }
+}
+
+TEST_CASE("rekls: with eigenbasis_every 2 the bases stay between refreshes, the first moment unrotated") {
+  ReklsConfig cfg;
+  cfg.eigenbasis_every = 2;
+  ReklsState s(4, 3);
+  std::vector<double> p = random_matrix(4, 3, 41);
+  for (int64_t t = 1; t <= 3; ++t) {
+    const std::vector<double> g = random_matrix(4, 3, 42 + unsigned(t)), QL = s.QL, QR = s.QR, lam = s.lam_L;
+    const std::vector<double> M = s.M;
+    rekls_update(p.data(), g.data(), s, cfg.lr, t, cfg);
+    CHECK(rekls_refreshes_eigenbasis(t, 2) == (t != 2));
+    if (t == 2) {
+      CHECK(s.QL == QL && s.QR == QR && s.lam_L == lam);
+      const std::vector<double> rotated = rekls_rotate_in(g, s);
+      for (size_t i = 0; i < M.size(); ++i) CHECK_NEAR(s.M[i], 0.9 * M[i] + 0.1 * rotated[i], 1e-12);
+    } else {  // Q_L^T L Q_L = diag(lam_L): the bases are the new factors' eigenbases
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) {
+          double c = 0;
+          for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < 4; ++l) c += s.QL[size_t(k) * 4 + i] * s.L[size_t(k) * 4 + l] * s.QL[size_t(l) * 4 + j];
+          CHECK_NEAR(c, i == j ? s.lam_L[i] : 0.0, 1e-12 * s.lam_L[0]);
+        }
+    }
+  }
 }
 
 int main() { return check::run_checks(); }
