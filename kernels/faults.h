@@ -17,6 +17,8 @@ enum class Fault {
   wrong_fused_e5m2_gradient,   // ... the cross-entropy's fused e5m2 gradient
   wrong_batched_muon,          // ... the batched Muon update
   wrong_fused_residual_add,    // ... the matmul with the residual as cuBLASLt's C
+  local_matrix_gradient,       // a hidden matrix's owner updates it (REKLS factors, moments) from its own partial sum
+  rekls_rotation_untransposed, // REKLS rotates the update back by Q_L U Q_R instead of Q_L U Q_R^T
 };
 
 inline Fault& injected_fault() {
@@ -39,6 +41,8 @@ inline const char* fault_name(Fault f) {
     case Fault::wrong_fused_e5m2_gradient: return "wrong_fused_e5m2_gradient";
     case Fault::wrong_batched_muon: return "wrong_batched_muon";
     case Fault::wrong_fused_residual_add: return "wrong_fused_residual_add";
+    case Fault::local_matrix_gradient: return "local_matrix_gradient";
+    case Fault::rekls_rotation_untransposed: return "rekls_rotation_untransposed";
   }
   return "?";
 }

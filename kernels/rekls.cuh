@@ -7,6 +7,7 @@
 #pragma once
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
+#include "kernels/faults.h"
 #include "kernels/matmul.cuh"
 
 #include <algorithm>
@@ -206,7 +207,8 @@ class Rekls {
     const float bias1 = float(1 - std::pow(double(cfg.beta1), t)), bias2 = float(1 - std::pow(double(cfg.beta2), t));
     rekls_adam_kernel<<<grid(mn), 256, 0, stream>>>(x_, s.M, s.V, y_, mn, cfg.beta1, cfg.beta2, bias1, bias2, cfg.eps);
     CUDA_CHECK_LAUNCH();
-    product(y_, Transpose::N, s.QR, Transpose::T, t_, m, n, n);  // Q_L U Q_R^T
+    const Transpose back = injected_fault() == Fault::rekls_rotation_untransposed ? Transpose::N : Transpose::T;
+    product(y_, Transpose::N, s.QR, back, t_, m, n, n);  // Q_L U Q_R^T
     product(s.QL, Transpose::N, t_, Transpose::N, x_, m, n, m);
     rekls_apply_kernel<<<grid(mn), 256, 0, stream>>>(x.p, x_, mn, step.lr, cfg.weight_decay);
     CUDA_CHECK_LAUNCH();

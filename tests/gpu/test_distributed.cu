@@ -102,9 +102,11 @@ enum class Backend { simulated, nccl };  // W = 1 without NCCL is SingleRankComm
 
 // Every rank trains K steps on its micro-sequences of the same global batches; returns each rank's snapshot.
 std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, const std::vector<uint16_t>& stream,
-                                  Backend backend = Backend::simulated) {
-  Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
+                                  Backend backend = Backend::simulated, const std::string& matrix_optimizer = "muon",
+                                  int micro = kMicro) {
+  Hyperparameters h = test_hyperparameters(kSteps, micro, kT);
   h.grad_comm = grad_comm;
+  h.matrix_optimizer = matrix_optimizer;
   const Schedule schedule = schedule_of(h);
   std::vector<Snapshot> result(world_size);
   auto per_rank = [&](DeviceCommunicator& comm) {
@@ -114,7 +116,7 @@ std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, 
     CUDA_CHECK(cudaStreamCreate(&s));
     double mean_loss = 0;
     for (int step = 0; step < kSteps; ++step) {
-      HostBatch host(stream.data() + size_t(step) * kMicro * kT, kMicro, kT, step, comm.rank(), comm.world_size());
+      HostBatch host(stream.data() + size_t(step) * micro * kT, micro, kT, step, comm.rank(), comm.world_size());
       double loss_sum = train_step(t.model, t.acts, t.optimizers, host.batch, step, schedule, /*fp8_head=*/false, s);
       mean_loss = mean_over_ranks(comm, loss_sum, double(host.batch.num_micro) * kT);
     }
@@ -219,6 +221,74 @@ TEST_CASE("every injected distributed bug makes the GPU oracle fail, by 10x the 
     }
     injected_fault() = Fault::none;
     const double error = worst_error(single_rank_result(), ranks, where);
+    std::printf("  %-26s W = %d: worst relative error %.3e (%s): %.0fx the rounding, %.1fx the bound\n",
+                fault_name(fault), kBugWorld, error, where.c_str(), error / rounding, error / kBound);
+    CHECK(error > kBound);
+    CHECK(error >= kRoundingMargin * rounding);
+  }
+}
+
+// REKLS in its first steps turns the rounding of another fp32 summation order into O(1)
+// differences (docs/REKLS.md: the fc factors' null space, whose rounding-sized eigenvalues its KL
+// update weighs by 1 / max(lam, eps), and Adam's V, which is not rotated with the basis): W = 2
+// and 3 at M = 4 sum pairs of micro-sequences per rank first and differ from W = 1 by 6 and 13.
+// So REKLS's oracle gives each rank one micro-sequence (M = W, summed in rank order as W = 1 sums
+// them, so only the optimizer's distribution is tested) and, for W = 8 > M, M = 4 with ranks
+// without one; its bound is the Muon oracle's, and what it leaves is the bf16 value embeddings'.
+std::vector<Snapshot> train_rekls_ranks(int world_size, int micro) {
+  return train_ranks(world_size, "fp32-rs", token_stream(), Backend::simulated, "rekls", micro);
+}
+
+const Snapshot& single_rank_rekls(int micro) {
+  static std::map<int, Snapshot> whole;
+  if (!whole.count(micro)) whole[micro] = train_rekls_ranks(1, micro)[0];
+  return whole[micro];
+}
+
+// The REKLS states alone (factors, eigenbases, eigenvalues, moments of the owned matrices).
+Snapshot rekls_states(const Snapshot& s) {
+  Snapshot states;
+  for (const auto& [name, values] : s)
+    if (name.rfind("rekls state ", 0) == 0) states[name] = values;
+  return states;
+}
+
+void check_rekls_oracle(int W, int micro) {
+  std::vector<Snapshot> ranks = train_rekls_ranks(W, micro);
+  std::string where, rekls_where;
+  const double error = worst_error(single_rank_rekls(micro), ranks, where);
+  for (Snapshot& r : ranks) r = rekls_states(r);
+  const double rekls_error = worst_error(single_rank_rekls(micro), ranks, rekls_where);
+  std::printf("  rekls W = %d, M = %d: worst relative error %.3e (%s), bound %.2g; of the REKLS states %.3e (%s)\n", W,
+              micro, error, where.c_str(), kBound, rekls_error, rekls_where.c_str());
+  CHECK(error <= kBound);
+}
+
+TEST_CASE("rekls: W = 2, 3 simulated ranks reproduce W = 1: parameters, factors, eigenbases, moments") {
+  check_rekls_oracle(2, 2);
+  check_rekls_oracle(3, 3);
+}
+
+TEST_CASE("rekls: W = 4, 8 (8 > M: some without a micro-sequence) reproduce W = 1: parameters, REKLS states") {
+  check_rekls_oracle(4, 4);
+  check_rekls_oracle(8, 4);
+}
+
+TEST_CASE("rekls: every injected distributed bug fails the oracle, by 10x the rounding or more") {
+  std::string where;
+  const double rounding = worst_error(single_rank_rekls(kBugWorld), train_rekls_ranks(kBugWorld, kBugWorld), where);
+  std::printf("  %-26s W = %d: worst relative error %.3e (%s)\n", "none (rounding)", kBugWorld, rounding, where.c_str());
+  for (Fault fault : {Fault::local_matrix_gradient, Fault::avg_instead_of_sum, Fault::skip_all_gather}) {
+    injected_fault() = fault;
+    std::vector<Snapshot> ranks;
+    try {
+      ranks = train_rekls_ranks(kBugWorld, kBugWorld);
+    } catch (...) {
+      injected_fault() = Fault::none;
+      throw;
+    }
+    injected_fault() = Fault::none;
+    const double error = worst_error(single_rank_rekls(kBugWorld), ranks, where);
     std::printf("  %-26s W = %d: worst relative error %.3e (%s): %.0fx the rounding, %.1fx the bound\n",
                 fault_name(fault), kBugWorld, error, where.c_str(), error / rounding, error / kBound);
     CHECK(error > kBound);
