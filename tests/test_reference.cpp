@@ -7,6 +7,7 @@
 #include "reference/synthetic.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <random>
 
@@ -292,22 +293,23 @@ TEST_CASE("rekls: the second step's factors follow the KL rule with the first st
   const std::vector<double> L1 = s.L, R1 = s.R, L1_inv = inverse(L1, m), R1_inv = inverse(R1, n);
   rekls_update(p.data(), g2.data(), s, cfg.lr, 2, cfg);
   const double b = 1 - 0.05 / (1 - 0.95 * 0.95);
-  for (int i = 0; i < m; ++i)
-    for (int j = 0; j < m; ++j) {
-      double kl = 0;
-      for (int k = 0; k < n; ++k)
-        for (int l = 0; l < n; ++l) kl += g2[size_t(i) * n + k] * R1_inv[size_t(k) * n + l] * g2[size_t(j) * n + l];
-      const double expected = b * L1[size_t(i) * m + j] + (1 - b) * kl / n;
-      CHECK_NEAR(s.L[size_t(i) * m + j], expected, 1e-9 * std::fabs(L1[0]));
-    }
-  for (int i = 0; i < n; ++i)
-    for (int j = 0; j < n; ++j) {
-      double kl = 0;
-      for (int k = 0; k < m; ++k)
-        for (int l = 0; l < m; ++l) kl += g2[size_t(k) * n + i] * L1_inv[size_t(k) * m + l] * g2[size_t(l) * n + j];
-      const double expected = b * R1[size_t(i) * n + j] + (1 - b) * kl / m;
-      CHECK_NEAR(s.R[size_t(i) * n + j], expected, 1e-9 * std::fabs(R1[0]));
-    }
+  // b F + (1 - b) A F_other^-1 A^T / dim for F [k, k], A [k, other] read through a(row, column).
+  auto kl_rule = [b](const std::vector<double>& F, const std::vector<double>& other_inverse, int k, int other,
+                     const std::function<double(int, int)>& a, double dim) {
+    std::vector<double> out(size_t(k) * k);
+    for (int i = 0; i < k; ++i)
+      for (int j = 0; j < k; ++j) {
+        double kl = 0;
+        for (int x = 0; x < other; ++x)
+          for (int y = 0; y < other; ++y) kl += a(i, x) * other_inverse[size_t(x) * other + y] * a(j, y);
+        out[size_t(i) * k + j] = b * F[size_t(i) * k + j] + (1 - b) * kl / dim;
+      }
+    return out;
+  };
+  const auto G2 = [&](int i, int k) { return g2[size_t(i) * n + k]; };
+  const auto G2t = [&](int i, int k) { return g2[size_t(k) * n + i]; };
+  CHECK(max_abs_difference(s.L, kl_rule(L1, R1_inv, m, n, G2, n)) < 1e-9 * std::fabs(L1[0]));
+  CHECK(max_abs_difference(s.R, kl_rule(R1, L1_inv, n, m, G2t, m)) < 1e-9 * std::fabs(R1[0]));
 }
 
 TEST_CASE("rekls: with eigenbasis_every 2 the bases stay between refreshes, the first moment unrotated") {
