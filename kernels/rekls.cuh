@@ -177,19 +177,18 @@ class Rekls {
       o.a_type = o.b_type = CUDA_R_32F;
       matmul(A, ta, B, tb, C, M, N, K, CUDA_R_32F, o, stream, alpha, beta);
     };
-    auto grid = [](size_t items) { return elementwise_grid(items); };
-    rekls_scale_kernel<<<grid(mn), 256, 0, stream>>>(x.g, g_, mn, step.grad_scale);  // G
+    rekls_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x.g, g_, mn, step.grad_scale);  // G
     CUDA_CHECK_LAUNCH();
 
     // The factors, with the previous bases (soap.py:372-387): L <- b L + (1 - b) (G Q_R) S_R (G Q_R)^T,
     // R <- b R + (1 - b) (Q_L^T G)^T S_L (Q_L^T G), S = diag(max(lam, eps)^-1) / dim.
     const float b = float(1 - (1 - double(cfg.shampoo_beta)) / (1 - std::pow(double(cfg.shampoo_beta), t)));
     product(g_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);  // X = G Q_R
-    rekls_kl_scale_kernel<<<grid(mn), 256, 0, stream>>>(x_, y_, m, n, s.lam_R, false, float(n), cfg.eps);
+    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, y_, m, n, s.lam_R, false, float(n), cfg.eps);
     CUDA_CHECK_LAUNCH();
     product(y_, Transpose::N, x_, Transpose::T, s.L, m, m, n, 1 - b, b);
     product(s.QL, Transpose::T, g_, Transpose::N, x_, m, n, m);  // X = Q_L^T G
-    rekls_kl_scale_kernel<<<grid(mn), 256, 0, stream>>>(x_, y_, m, n, s.lam_L, true, float(m), cfg.eps);
+    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, y_, m, n, s.lam_L, true, float(m), cfg.eps);
     CUDA_CHECK_LAUNCH();
     product(x_, Transpose::T, y_, Transpose::N, s.R, n, n, m, 1 - b, b);
 
@@ -205,19 +204,20 @@ class Rekls {
     product(s.QL, Transpose::T, g_, Transpose::N, t_, m, n, m);  // G' = Q_L^T G Q_R
     product(t_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);
     const float bias1 = float(1 - std::pow(double(cfg.beta1), t)), bias2 = float(1 - std::pow(double(cfg.beta2), t));
-    rekls_adam_kernel<<<grid(mn), 256, 0, stream>>>(x_, s.M, s.V, y_, mn, cfg.beta1, cfg.beta2, bias1, bias2, cfg.eps);
+    rekls_adam_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, s.M, s.V, y_, mn, cfg.beta1, cfg.beta2, bias1, bias2,
+                                                                cfg.eps);
     CUDA_CHECK_LAUNCH();
     const Transpose back = injected_fault() == Fault::rekls_rotation_untransposed ? Transpose::N : Transpose::T;
     product(y_, Transpose::N, s.QR, back, t_, m, n, n);  // Q_L U Q_R^T
     product(s.QL, Transpose::N, t_, Transpose::N, x_, m, n, m);
-    rekls_apply_kernel<<<grid(mn), 256, 0, stream>>>(x.p, x_, mn, step.lr, cfg.weight_decay);
+    rekls_apply_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x.p, x_, mn, step.lr, cfg.weight_decay);
     CUDA_CHECK_LAUNCH();
   }
 
   // (lam, Q) of the symmetric factor [k, k] by syevd in fp32, eigenvalues descending. syevd
   // reads the lower triangle of the column-major matrix: the upper one of our row-major factor.
-  // Its *info (nonzero: no convergence, or a bad argument) is read back at once: syevd
-  // synchronises with the host internally anyway.
+  // Its *info (nonzero: no convergence, or a bad argument) is read back at once, a host
+  // synchronisation per factor (unmeasured: no GPU yet; one read per step would do).
   void eigenbasis(const float* factor, int k, float* Q, float* lam, cudaStream_t stream) {
     CUDA_CHECK(cudaMemcpyAsync(vectors_, factor, size_t(k) * k * sizeof(float), cudaMemcpyDeviceToDevice, stream));
     CUSOLVER_CHECK(cusolverDnSetStream(solver_, stream));
