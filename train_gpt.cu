@@ -614,10 +614,12 @@ inline std::string resume_flags(const Hyperparameters& h, int world_size) {
   static const char* const names[] = {
       "train-files", "seq-len", "micro-batches", "num-iterations", "cooldown-frac", "adam-lr", "adam-beta1",
       "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
-      "muon-momentum-warmup", "matrix-optimizer", "rekls-lr", "rekls-beta1", "rekls-beta2", "rekls-shampoo-beta",
-      "rekls-eps", "rekls-weight-decay", "rekls-eigenbasis-every", "bf16-head", "grad-comm"};
-  return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [](const std::string& name) {
-           return std::find(std::begin(names), std::end(names), name) != std::end(names);
+      "muon-momentum-warmup", "bf16-head", "grad-comm"};
+  // REKLS's only where it is on, so that a checkpoint of a Muon run reads as before
+  const bool rekls = h.matrix_optimizer == "rekls";
+  return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [rekls](const std::string& name) {
+           return std::find(std::begin(names), std::end(names), name) != std::end(names) ||
+                  (rekls && (name == "matrix-optimizer" || name.rfind("rekls-", 0) == 0));
          });
 }
 
@@ -642,6 +644,8 @@ inline std::string resume_flag_differences(const std::string& saved, const std::
   for (const auto& [name, value] : after)
     if (value_in(before, name) != value)
       differences += "; --" + name + " was " + value_in(before, name) + ", is " + value;
+  for (const auto& [name, value] : before)  // a setting only the checkpoint's run had (--matrix-optimizer rekls)
+    if (value_in(after, name) == "(none)") differences += "; --" + name + " was " + value + ", is (none)";
   return differences.empty() ? "" : differences.substr(2);
 }
 

@@ -271,6 +271,15 @@ TEST_CASE("a resumed run must have the checkpoint's training settings; each diff
   other.checkpoint_every = 5;
   CHECK(resume_flag_differences(saved, resume_flags(other, 4)) ==
         "--world-size was 8, is 4; --seq-len was 49152, is 16384; --adam-lr was 0.008, is 0.008000000000000002");
+  // REKLS's settings are recorded where it is on only: a Muon run's checkpoint reads as before.
+  Hyperparameters rekls = h;
+  rekls.matrix_optimizer = "rekls";
+  CHECK(saved.find("rekls") == std::string::npos);
+  CHECK(resume_flag_differences(saved, resume_flags(rekls, 8)).rfind("--matrix-optimizer was (none), is rekls; ", 0) == 0);
+  CHECK(resume_flag_differences(resume_flags(rekls, 8), saved).rfind("--matrix-optimizer was rekls, is (none); ", 0) == 0);
+  rekls.rekls_lr = 0.01;
+  CHECK(resume_flag_differences(resume_flags(rekls, 8), resume_flags(h, 8)).find("--rekls-lr was 0.01, is (none)") !=
+        std::string::npos);
 }
 
 int main() { return check::run_checks(); }
