@@ -75,8 +75,8 @@ struct Hyperparameters {
   double muon_lr = 0.05, muon_momentum = 0.95;
   int muon_momentum_warmup = 300;   // momentum 0.85 -> 0.95 over these steps
   std::string matrix_optimizer = "muon";  // the hidden matrices': muon or rekls (docs/REKLS.md)
-  // REKLS: NVIDIA's defaults (legacy_soap/rekls.py) but the lr, which it leaves open: 0.005 moves
-  // an element about as far per step as Muon's 0.05 (docs/REKLS.md); untuned.
+  // REKLS: NVIDIA's defaults (legacy_soap/rekls.py) but the lr, which it leaves open: its update is
+  // an Adam step in a rotated basis, so a little below Adam's 0.008 (docs/REKLS.md); untuned.
   double rekls_lr = 0.005, rekls_beta1 = 0.9, rekls_beta2 = 0.95, rekls_shampoo_beta = 0.95, rekls_eps = 1e-8;
   double rekls_weight_decay = 0.01;
   int rekls_eigenbasis_every = 1;   // steps between eigendecompositions (1: REKLS's every step)
