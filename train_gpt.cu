@@ -16,6 +16,7 @@
 #include "kernels/fp8_head.cuh"
 #include "kernels/matmul.cuh"
 #include "kernels/muon.cuh"
+#include "kernels/rekls.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
 #include "kernels/rendezvous.h"
@@ -74,6 +75,12 @@ struct Hyperparameters {
   double embed_lr_mul = 75, head_lr_mul = 27.5, scalar_lr_mul = 5;
   double muon_lr = 0.05, muon_momentum = 0.95;
   int muon_momentum_warmup = 300;   // momentum 0.85 -> 0.95 over these steps
+  std::string matrix_optimizer = "muon";  // the hidden matrices': muon or rekls (docs/REKLS.md)
+  // REKLS: NVIDIA's defaults (legacy_soap/rekls.py) but the lr, which it leaves open: its update is
+  // an Adam step in a rotated basis, so a little below Adam's 0.008 (docs/REKLS.md); untuned.
+  double rekls_lr = 0.005, rekls_beta1 = 0.9, rekls_beta2 = 0.95, rekls_shampoo_beta = 0.95, rekls_eps = 1e-8;
+  double rekls_weight_decay = 0.01;
+  int rekls_eigenbasis_every = 1;   // steps between eigendecompositions (1: REKLS's every step)
   // run
   uint64_t seed = 0;                // 0: a fresh random seed, logged (record runs are independent)
   int checkpoint_every = 0;         // 0: a checkpoint at the end only
@@ -176,6 +183,19 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"muon-momentum", &h.muon_momentum, "Muon momentum after warmup", fraction(&h.muon_momentum), "in (0, 1)"},
       {"muon-momentum-warmup", &h.muon_momentum_warmup, "steps of Muon momentum warmup from 0.85",
        positive(&h.muon_momentum_warmup), "positive"},
+      {"matrix-optimizer", &h.matrix_optimizer, "optimizer of the hidden matrices: muon or rekls (Adam keeps the rest)",
+       one_of(&h.matrix_optimizer, {"muon", "rekls"}), "muon or rekls"},
+      {"rekls-lr", &h.rekls_lr, "REKLS learning rate (the lr schedule applies)", positive(&h.rekls_lr), "positive"},
+      {"rekls-beta1", &h.rekls_beta1, "REKLS inner Adam beta1", fraction(&h.rekls_beta1), "in (0, 1)"},
+      {"rekls-beta2", &h.rekls_beta2, "REKLS inner Adam beta2", fraction(&h.rekls_beta2), "in (0, 1)"},
+      {"rekls-shampoo-beta", &h.rekls_shampoo_beta, "REKLS Kronecker factors' moving average",
+       fraction(&h.rekls_shampoo_beta), "in (0, 1)"},
+      {"rekls-eps", &h.rekls_eps, "REKLS epsilon (Adam's and the factors' eigenvalue floor)", positive(&h.rekls_eps),
+       "positive"},
+      {"rekls-weight-decay", &h.rekls_weight_decay, "REKLS decoupled weight decay", non_negative(&h.rekls_weight_decay),
+       "non-negative"},
+      {"rekls-eigenbasis-every", &h.rekls_eigenbasis_every, "REKLS steps between eigendecompositions (1: every step)",
+       positive(&h.rekls_eigenbasis_every), "positive"},
       {"seed", &h.seed, "initialisation seed (0: a fresh one per run, logged)", nullptr, ""},
       {"checkpoint-every", &h.checkpoint_every, "steps between checkpoints (0: at the end only)",
        non_negative(&h.checkpoint_every), "non-negative"},
@@ -631,12 +651,13 @@ inline std::string resume_flags(const Hyperparameters& h, int world_size) {
       "train-files", "seq-len", "micro-batches", "num-iterations", "cooldown-frac", "adam-lr", "adam-beta1",
       "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
       "muon-momentum-warmup", "bf16-head", "grad-comm"};
-  // DiLoCo's only where it is on, so that a checkpoint of a run without it reads as before (where
-  // its copies live changes no state)
-  const bool diloco = h.diloco_groups > 1;
-  return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [diloco](const std::string& name) {
+  // DiLoCo's and REKLS's only where they are on, so that a checkpoint of a run without them reads as
+  // before (where DiLoCo's copies live changes no state)
+  const bool diloco = h.diloco_groups > 1, rekls = h.matrix_optimizer == "rekls";
+  return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [diloco, rekls](const std::string& name) {
            return std::find(std::begin(names), std::end(names), name) != std::end(names) ||
-                  (diloco && name.rfind("diloco-", 0) == 0 && name != "diloco-host-copies");
+                  (diloco && name.rfind("diloco-", 0) == 0 && name != "diloco-host-copies") ||
+                  (rekls && (name == "matrix-optimizer" || name.rfind("rekls-", 0) == 0));
          });
 }
 
@@ -661,6 +682,8 @@ inline std::string resume_flag_differences(const std::string& saved, const std::
   for (const auto& [name, value] : after)
     if (value_in(before, name) != value)
       differences += "; --" + name + " was " + value_in(before, name) + ", is " + value;
+  for (const auto& [name, value] : before)  // a setting only the checkpoint's run had (--matrix-optimizer rekls)
+    if (value_in(after, name) == "(none)") differences += "; --" + name + " was " + value + ", is (none)";
   return differences.empty() ? "" : differences.substr(2);
 }
 
@@ -1281,6 +1304,7 @@ class Optimizers {
       : h_(h), schedule_(schedule_of(h)), params_(params), comm_(comm), grad_comm_(parse_grad_comm(h.grad_comm)),
         plan_(shard_plan_of(params.list, comm.world_size())),
         muon_workspace_(largest_muon_batch_elems(), largest_muon_batch()), group_members_(plan_.muon.size()) {
+    if (h.matrix_optimizer == "rekls") rekls_ = std::make_unique<Rekls>(matrix_shapes());
     for (const AdamShard& s : plan_.adam) add_adam(s, memory);
     for (const MuonGroup& g : plan_.muon)
       for (const MuonChunk& c : g.chunks) add_muon(g, c, memory);
@@ -1314,6 +1338,14 @@ class Optimizers {
     for (const StateBuffer& b : state_buffers())
       if (b.name != "adam steps") CUDA_CHECK(cudaMemset(b.data, 0, b.bytes));
     adam_steps_ = 0;
+    if (!rekls_) return;
+    for (const Collective& c : collectives_)  // REKLS's eigenbases start as the identity
+      if (c.group && c.state_m) {
+        const auto [rows, cols] = matrix_shape(*c.group);
+        for (size_t k = 0; k < c.share / (size_t(rows) * cols); ++k)
+          rekls_reset_state(static_cast<float*>(c.state_m) + k * ReklsBuffers::elems(rows, cols), rows, cols, 0);
+      }
+    CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   // Before the step's backward: this rank will sum its gradients over local_micro_sequences; M,
@@ -1397,7 +1429,7 @@ class Optimizers {
         state.push_back({"adam v " + name, c.state_v, bytes});
       } else if (c.state_m) {
         const std::string& mine = params_.list[c.chunk->owner_param[comm_.rank()]].name;
-        state.push_back({"muon momentum " + mine, c.state_m, c.share * sizeof(float)});
+        state.push_back({(rekls_ ? "rekls state " : "muon momentum ") + mine, c.state_m, matrix_state_elems(c) * sizeof(float)});
       }
     }
     state.push_back({"adam steps", &adam_steps_, sizeof adam_steps_});
@@ -1475,8 +1507,27 @@ class Optimizers {
     c.local_grad = params_.grads + first.offset;
     c.whole = params_.master + first.offset;
     const int mine = chunk.owner_param[comm_.rank()];
-    if (mine >= 0) c.state_m = memory.alloc<float>("Muon momentum of " + params_.list[mine].name, c.share);
+    if (mine >= 0)
+      c.state_m = memory.alloc<float>((rekls_ ? "REKLS state of " : "Muon momentum of ") + params_.list[mine].name,
+                                      matrix_state_elems(c));
     add_collective(c, memory, first.name + " and its chunk");
+  }
+
+  // [rows, cols] of one matrix of group g (qkv_w [3, d, d] holds three).
+  static std::pair<int, int> matrix_shape(const MuonGroup& g) {
+    return {int(g.shape[g.shape.size() - 2]), int(g.shape.back())};
+  }
+  std::vector<std::pair<int, int>> matrix_shapes() const {
+    std::vector<std::pair<int, int>> shapes;
+    for (const MuonGroup& g : plan_.muon) shapes.push_back(matrix_shape(g));
+    return shapes;
+  }
+  // The optimizer state of the owned matrices of a chunk: Muon's momentum, or REKLS's factors,
+  // eigenbases and moments (ReklsBuffers) of each matrix.
+  size_t matrix_state_elems(const Collective& c) const {
+    if (!rekls_) return c.share;
+    const auto [rows, cols] = matrix_shape(*c.group);
+    return c.share / (size_t(rows) * cols) * ReklsBuffers::elems(rows, cols);
   }
 
   // One Newton-Schulz matrix [rows, cols] of a group: qkv_w [3, d, d] holds three.
@@ -1513,24 +1564,37 @@ class Optimizers {
       CUDA_CHECK(cudaMemcpyAsync(send, c.local_grad, c.count * sizeof(float), cudaMemcpyDeviceToDevice, stream));
     }
     c.grad = send + comm_.rank() * c.share;
+    if (c.group && injected_fault() == Fault::local_matrix_gradient) return;  // the oracle's bug: no SUM
     reduce_scatter_grads(comm_, grad_comm_, send, c.grad, c.share, traffic_, stream);
   }
 
   // Every matrix of group `g` that this rank owns (one per chunk, at most), in one batched update.
   void update_muon_group(size_t g, int step, float grad_scale, cudaStream_t stream) {
     const MuonGroup& group = plan_.muon[g];
-    const int rows = int(group.shape[group.shape.size() - 2]), cols = int(group.shape.back());
+    const auto [rows, cols] = matrix_shape(group);
     const size_t n = size_t(newton_schulz_elems(group));
-    std::vector<MuonMatrix> mine;
+    const size_t state_elems = rekls_ ? ReklsBuffers::elems(rows, cols) : n;  // each matrix's
+    std::vector<MuonMatrix> muon;
+    std::vector<ReklsMatrix> rekls;
     for (size_t m : group_members_[g]) {
       const Collective& c = collectives_[m];
       if (!c.state_m) continue;  // no matrix of this chunk on this rank
       float* p = params_.master + params_.list[c.chunk->owner_param[comm_.rank()]].offset;
-      for (size_t k = 0; k < c.share / n; ++k)
-        mine.push_back({p + k * n, c.grad + k * n, static_cast<float*>(c.state_m) + k * n});
+      for (size_t k = 0; k < c.share / n; ++k) {
+        float* state = static_cast<float*>(c.state_m) + k * state_elems;
+        if (rekls_) rekls.push_back({p + k * n, c.grad + k * n, state});
+        else muon.push_back({p + k * n, c.grad + k * n, state});
+      }
+    }
+    if (rekls_) {
+      const ReklsSettings settings{float(h_.rekls_beta1), float(h_.rekls_beta2), float(h_.rekls_shampoo_beta),
+                                   float(h_.rekls_eps), float(h_.rekls_weight_decay), h_.rekls_eigenbasis_every};
+      const ReklsStep s{float(h_.rekls_lr * schedule_.lr_factor(step)), adam_steps_, grad_scale};
+      rekls_->update(rekls, rows, cols, settings, s, matmul_, stream);
+      return;
     }
     MuonStep s{float(h_.muon_lr * schedule_.lr_factor(step)), float(schedule_.muon_momentum(step)), grad_scale};
-    (batched_muon_ ? muon_update : muon_update_each)(mine, rows, cols, s, muon_workspace_, matmul_, stream);
+    (batched_muon_ ? muon_update : muon_update_each)(muon, rows, cols, s, muon_workspace_, matmul_, stream);
   }
 
   void adam_update_share(const Collective& c, int step, float grad_scale, cudaStream_t stream) {
@@ -1578,6 +1642,7 @@ class Optimizers {
   GradComm grad_comm_;
   ShardPlan plan_;
   MuonWorkspace muon_workspace_;
+  std::unique_ptr<Rekls> rekls_;  // with --matrix-optimizer rekls: the hidden matrices' optimizer
   bool batched_muon_ = h_.muon == "batched";
   std::vector<std::vector<size_t>> group_members_;  // [Muon group] its collectives, in launch order
   Matmul matmul_;

@@ -1,7 +1,8 @@
-// Every CUDA, cuBLAS(Lt) and NCCL return code is checked; a failure names the call's file:line.
+// Every CUDA, cuBLAS(Lt), cuSOLVER and NCCL return code is checked; a failure names the call's file:line.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#include <cusolverDn.h>
 #include <nccl.h>
 
 #include <cstdio>
@@ -28,6 +29,28 @@
     cublasStatus_t cublas_check_status_ = (call);                                     \
     if (cublas_check_status_ != CUBLAS_STATUS_SUCCESS)                                \
       cuda_fail(cublasGetStatusString(cublas_check_status_), #call, __FILE__, __LINE__); \
+  } while (0)
+
+// cuSOLVER has no status string of its own.
+inline const char* cusolver_status_name(cusolverStatus_t s) {
+  switch (s) {
+    case CUSOLVER_STATUS_SUCCESS: return "CUSOLVER_STATUS_SUCCESS";
+    case CUSOLVER_STATUS_NOT_INITIALIZED: return "CUSOLVER_STATUS_NOT_INITIALIZED";
+    case CUSOLVER_STATUS_ALLOC_FAILED: return "CUSOLVER_STATUS_ALLOC_FAILED";
+    case CUSOLVER_STATUS_INVALID_VALUE: return "CUSOLVER_STATUS_INVALID_VALUE";
+    case CUSOLVER_STATUS_ARCH_MISMATCH: return "CUSOLVER_STATUS_ARCH_MISMATCH";
+    case CUSOLVER_STATUS_EXECUTION_FAILED: return "CUSOLVER_STATUS_EXECUTION_FAILED";
+    case CUSOLVER_STATUS_INTERNAL_ERROR: return "CUSOLVER_STATUS_INTERNAL_ERROR";
+    case CUSOLVER_STATUS_NOT_SUPPORTED: return "CUSOLVER_STATUS_NOT_SUPPORTED";
+    default: return "cuSOLVER status (see cusolver_common.h)";
+  }
+}
+
+#define CUSOLVER_CHECK(call)                                                          \
+  do {                                                                                \
+    cusolverStatus_t cusolver_check_status_ = (call);                                 \
+    if (cusolver_check_status_ != CUSOLVER_STATUS_SUCCESS)                            \
+      cuda_fail(cusolver_status_name(cusolver_check_status_), #call, __FILE__, __LINE__); \
   } while (0)
 
 #define NCCL_CHECK(call)                                                              \

@@ -24,6 +24,8 @@ enum class Fault {
   diloco_wrong_fragment,       // each sync exchanges the next fragment instead of its own
   diloco_momentum_reset,       // the outer momentum starts from zero at every sync
   diloco_delay_wrong_step,     // an exchange is applied one step after its delay
+  local_matrix_gradient,       // a hidden matrix's owner updates it (REKLS factors, moments) from its own partial sum
+  rekls_rotation_untransposed, // REKLS rotates the update back by Q_L U Q_R instead of Q_L U Q_R^T
 };
 
 inline Fault& injected_fault() {
@@ -52,6 +54,8 @@ inline const char* fault_name(Fault f) {
     case Fault::diloco_wrong_fragment: return "diloco_wrong_fragment";
     case Fault::diloco_momentum_reset: return "diloco_momentum_reset";
     case Fault::diloco_delay_wrong_step: return "diloco_delay_wrong_step";
+    case Fault::local_matrix_gradient: return "local_matrix_gradient";
+    case Fault::rekls_rotation_untransposed: return "rekls_rotation_untransposed";
   }
   return "?";
 }

@@ -1,6 +1,7 @@
-// Matmuls through cuBLASLt: bf16 (or FP8, see MatmulOptions) operands, fp32 accumulation, bf16 or
-// fp32 output, row-major interface. One plan (descriptors + heuristic algorithm) is cached per
-// shape, options and buffer alignment; the workspace is shared. The three products of a linear
+// Matmuls through cuBLASLt: bf16 operands (or FP8, or fp32 for REKLS's state, see MatmulOptions),
+// fp32 accumulation, bf16 or fp32 output (fp32 for fp32 operands), row-major interface. One plan
+// (descriptors + heuristic algorithm) is cached per shape, options and buffer alignment; the
+// workspace is shared. The three products of a linear
 // layer y = x W^T (x [tokens, in], W [out, in]):
 //   forward      y[t, out]  = x W^T        matmul(x, N, W, T, y, tokens, out, in)
 //   input grad  dx[t, in]   = dy W         matmul(dy, N, W, N, dx, tokens, in, out)
@@ -17,7 +18,8 @@
 
 enum class Transpose { N, T };
 
-// What a product may change from the bf16 default: FP8 operand types (e4m3 or e5m2, not both
+// What a product may change from the bf16 default: fp32 operands (both, with an fp32 output: full
+// fp32 products, no TF32), or FP8 operand types (e4m3 or e5m2, not both
 // e5m2), each with its dequantisation scale (a device float, read when the product runs; null
 // means 1), and Hopper's fast FP8 accumulation (no periodic promotion to fp32: faster, less exact).
 // cuBLASLt's FP8 kernels want both operands K-contiguous: A stored [M, K] (N), B stored [N, K] (T),
@@ -100,7 +102,7 @@ class Matmul {
     if (it != plans_.end()) return it->second;
     auto [M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum, batch, stride_a, stride_b, stride_c,
           alignments] = key;
-    check_types(M, N, K, trans_a, trans_b, a_type, b_type, fast_accum);
+    check_types(M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum);
     Plan p;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     if (fast_accum) {
@@ -144,11 +146,16 @@ class Matmul {
   }
 
   // Refuses, naming the reason, what cuBLASLt would answer only with "not supported".
-  static void check_types(int M, int N, int K, bool trans_a, bool trans_b, cudaDataType_t a_type,
-                          cudaDataType_t b_type, bool fast_accum) {
-    const bool fp8 = is_fp8(a_type);
+  static void check_types(int M, int N, int K, bool trans_a, bool trans_b, cudaDataType_t c_type,
+                          cudaDataType_t a_type, cudaDataType_t b_type, bool fast_accum) {
+    const bool fp8 = is_fp8(a_type), fp32 = a_type == CUDA_R_32F && b_type == CUDA_R_32F;
+    if (fp32) {
+      if (c_type != CUDA_R_32F) throw std::invalid_argument("fp32 matmul operands need an fp32 output");
+      if (fast_accum) throw std::invalid_argument("fast accumulation is an FP8 option");
+      return;
+    }
     if (fp8 != is_fp8(b_type) || (!fp8 && (a_type != CUDA_R_16BF || b_type != CUDA_R_16BF)))
-      throw std::invalid_argument("matmul operands must be both bf16 or both FP8");
+      throw std::invalid_argument("matmul operands must be both bf16, both fp32 or both FP8");
     if (!fp8) {
       if (fast_accum) throw std::invalid_argument("fast accumulation is an FP8 option");
       return;

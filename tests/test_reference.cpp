@@ -1,11 +1,16 @@
 // The CPU reference's building blocks against values fixed by SPEC Part 1: parameter counts, the
-// step-0 loss, FP8 rounding, the attention block mask, the optimizers and the schedules.
+// step-0 loss, FP8 rounding, the attention block mask, the optimizers and the schedules; REKLS's
+// eigensolver and update against hand computations, and REKLS against Muon in the tiny recipe.
 #include "check.h"
 #include "reference/optim.h"
+#include "reference/rekls.h"
+#include "reference/training.h"
 #include "reference/synthetic.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
+#include <random>
 
 TEST_CASE("record config has 275,742,784 parameters in the SPEC's split") {
   int64_t embeddings = 0, hidden = 0, head = 0, scalars = 0;
@@ -164,6 +169,232 @@ TEST_CASE("muon: momentum, nesterov form and the shape scale of tall matrices") 
   }
   newton_schulz5(nesterov, 4, 2, cfg);
   for (int i = 0; i < 8; ++i) CHECK_NEAR(p[i], -0.05 * std::sqrt(2.0) * nesterov[i], 1e-14);
+}
+
+namespace {
+
+std::vector<double> random_matrix(int rows, int cols, unsigned seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  std::vector<double> x(size_t(rows) * cols);
+  for (double& e : x) e = normal(rng);
+  return x;
+}
+
+double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  return worst;
+}
+
+// An orthogonal [n, n]: the eigenvectors of a random symmetric matrix.
+std::vector<double> random_orthogonal(int n, unsigned seed) {
+  std::vector<double> a = random_matrix(n, n, seed), s(size_t(n) * n), values, vectors;
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) s[size_t(i) * n + j] = a[size_t(i) * n + j] + a[size_t(j) * n + i];
+  symmetric_eigen(s, n, values, vectors);
+  return vectors;
+}
+
+// The inverse of a [n, n] by Gauss-Jordan with partial pivoting (independent of the eigensolver).
+std::vector<double> inverse(std::vector<double> a, int n) {
+  std::vector<double> inv(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i) inv[size_t(i) * n + i] = 1;
+  for (int c = 0; c < n; ++c) {
+    int pivot = c;
+    for (int r = c + 1; r < n; ++r)
+      if (std::fabs(a[size_t(r) * n + c]) > std::fabs(a[size_t(pivot) * n + c])) pivot = r;
+    for (int k = 0; k < n; ++k) {
+      std::swap(a[size_t(c) * n + k], a[size_t(pivot) * n + k]);
+      std::swap(inv[size_t(c) * n + k], inv[size_t(pivot) * n + k]);
+    }
+    const double d = a[size_t(c) * n + c];
+    for (int k = 0; k < n; ++k) a[size_t(c) * n + k] /= d, inv[size_t(c) * n + k] /= d;
+    for (int r = 0; r < n; ++r) {
+      if (r == c) continue;
+      const double f = a[size_t(r) * n + c];
+      for (int k = 0; k < n; ++k) a[size_t(r) * n + k] -= f * a[size_t(c) * n + k], inv[size_t(r) * n + k] -= f * inv[size_t(c) * n + k];
+    }
+  }
+  return inv;
+}
+
+}  // namespace
+
+TEST_CASE("symmetric eigen: Q diag(values) Q^T, orthonormal, ascending, repeated eigenvalues") {
+  const int n = 9;
+  const std::vector<double> Q = random_orthogonal(n, 7);
+  const std::vector<double> known = {-2, -0.5, 0, 0, 0, 1e-3, 1, 1, 4};  // a null space and a pair
+  std::vector<double> a(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < n; ++k) a[size_t(i) * n + j] += Q[size_t(i) * n + k] * known[k] * Q[size_t(j) * n + k];
+  std::vector<double> values, vectors;
+  symmetric_eigen(a, n, values, vectors);
+  for (int k = 0; k < n; ++k) CHECK_NEAR(values[k], known[k], 1e-13);
+  std::vector<double> rebuilt(size_t(n) * n, 0.0), gram(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < n; ++k) {
+        rebuilt[size_t(i) * n + j] += vectors[size_t(i) * n + k] * values[k] * vectors[size_t(j) * n + k];
+        gram[size_t(i) * n + j] += vectors[size_t(k) * n + i] * vectors[size_t(k) * n + j];
+      }
+  CHECK(max_abs_difference(rebuilt, a) < 1e-13);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) CHECK_NEAR(gram[size_t(i) * n + j], i == j ? 1.0 : 0.0, 1e-14);
+}
+
+TEST_CASE("rekls: rotating into the eigenbases and out again is the identity") {
+  ReklsState s(6, 4);
+  const std::vector<double> A = random_matrix(6, 4, 11), X = random_matrix(6, 4, 12);
+  rekls_update_factors(s, A, 0.0, 1e-8);
+  rekls_refresh_eigenbasis(s);
+  CHECK(max_abs_difference(rekls_rotate_out(rekls_rotate_in(X, s), s), X) < 1e-13);
+  CHECK(max_abs_difference(rekls_rotate_in(rekls_rotate_out(X, s), s), X) < 1e-13);
+  CHECK(max_abs_difference(rekls_rotate_in(X, s), X) > 0.1);  // the bases are not the identity
+}
+
+TEST_CASE("rekls: the first step moves P by lr times G's polar factor, plus weight decay") {
+  // Step 1: L = G G^T / (n eps), R = G^T G / (m eps) (zero eigenvalues clamped to eps, b = 0), so
+  // Q_L, Q_R are G's singular vectors, G' = diag(s) and U = sign(G') (up to eps / s): the update
+  // is U_G V_G^T = G (G^T G)^(-1/2), Adam's sign step in the singular basis.
+  const int m = 5, n = 3;
+  ReklsConfig cfg;
+  std::vector<double> g = random_matrix(m, n, 21), p = random_matrix(m, n, 22), p0 = p;
+  ReklsState s(m, n);
+  rekls_update(p.data(), g.data(), s, cfg.lr, 1, cfg);
+  std::vector<double> gram(size_t(n) * n, 0.0), values, vectors;
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < m; ++k) gram[size_t(i) * n + j] += g[size_t(k) * n + i] * g[size_t(k) * n + j];
+  symmetric_eigen(gram, n, values, vectors);
+  std::vector<double> inverse_root(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < n; ++k)
+        inverse_root[size_t(i) * n + j] += vectors[size_t(i) * n + k] * vectors[size_t(j) * n + k] / std::sqrt(values[k]);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      double polar = 0;
+      for (int k = 0; k < n; ++k) polar += g[size_t(i) * n + k] * inverse_root[size_t(k) * n + j];
+      const size_t at = size_t(i) * n + j;
+      CHECK_NEAR(p[at], p0[at] * (1 - cfg.lr * cfg.weight_decay) - cfg.lr * polar, 1e-9);
+    }
+  for (int j = 0; j < n; ++j) CHECK_NEAR(s.lam_R[j], values[n - 1 - j] / (m * cfg.eps), 1e-6 * values[n - 1]);
+}
+
+TEST_CASE("rekls: the second step's factors follow the KL rule with the first step's inverse factors") {
+  // With exact eigenbases and eigenvalues above eps, Q diag(lam^-1) Q^T is the inverse factor:
+  // L2 = b L1 + (1 - b) G2 R1^-1 G2^T / n, R2 = b R1 + (1 - b) G2^T L1^-1 G2 / m, b = 1 - 0.05 / (1 - 0.95^2).
+  const int m = 4, n = 4;
+  ReklsConfig cfg;
+  std::vector<double> p = random_matrix(m, n, 31), g1 = random_matrix(m, n, 32), g2 = random_matrix(m, n, 33);
+  ReklsState s(m, n);
+  rekls_update(p.data(), g1.data(), s, cfg.lr, 1, cfg);
+  const std::vector<double> L1 = s.L, R1 = s.R, L1_inv = inverse(L1, m), R1_inv = inverse(R1, n);
+  rekls_update(p.data(), g2.data(), s, cfg.lr, 2, cfg);
+  const double b = 1 - 0.05 / (1 - 0.95 * 0.95);
+  // b F + (1 - b) A F_other^-1 A^T / dim for F [k, k], A [k, other] read through a(row, column).
+  auto kl_rule = [b](const std::vector<double>& F, const std::vector<double>& other_inverse, int k, int other,
+                     const std::function<double(int, int)>& a, double dim) {
+    std::vector<double> out(size_t(k) * k);
+    for (int i = 0; i < k; ++i)
+      for (int j = 0; j < k; ++j) {
+        double kl = 0;
+        for (int x = 0; x < other; ++x)
+          for (int y = 0; y < other; ++y) kl += a(i, x) * other_inverse[size_t(x) * other + y] * a(j, y);
+        out[size_t(i) * k + j] = b * F[size_t(i) * k + j] + (1 - b) * kl / dim;
+      }
+    return out;
+  };
+  const auto G2 = [&](int i, int k) { return g2[size_t(i) * n + k]; };
+  const auto G2t = [&](int i, int k) { return g2[size_t(k) * n + i]; };
+  CHECK(max_abs_difference(s.L, kl_rule(L1, R1_inv, m, n, G2, n)) < 1e-9 * std::fabs(L1[0]));
+  CHECK(max_abs_difference(s.R, kl_rule(R1, L1_inv, n, m, G2t, m)) < 1e-9 * std::fabs(R1[0]));
+}
+
+TEST_CASE("rekls: with eigenbasis_every 2 the bases stay between refreshes, the first moment unrotated") {
+  ReklsConfig cfg;
+  cfg.eigenbasis_every = 2;
+  ReklsState s(4, 3);
+  std::vector<double> p = random_matrix(4, 3, 41);
+  for (int64_t t = 1; t <= 3; ++t) {
+    const std::vector<double> g = random_matrix(4, 3, 42 + unsigned(t)), QL = s.QL, QR = s.QR, lam = s.lam_L;
+    const std::vector<double> M = s.M;
+    rekls_update(p.data(), g.data(), s, cfg.lr, t, cfg);
+    CHECK(rekls_refreshes_eigenbasis(t, 2) == (t != 2));
+    if (t == 2) {
+      CHECK(s.QL == QL && s.QR == QR && s.lam_L == lam);
+      const std::vector<double> rotated = rekls_rotate_in(g, s);
+      for (size_t i = 0; i < M.size(); ++i) CHECK_NEAR(s.M[i], 0.9 * M[i] + 0.1 * rotated[i], 1e-12);
+    } else {  // Q_L^T L Q_L = diag(lam_L): the bases are the new factors' eigenbases
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) {
+          double c = 0;
+          for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < 4; ++l) c += s.QL[size_t(k) * 4 + i] * s.L[size_t(k) * 4 + l] * s.QL[size_t(l) * 4 + j];
+          CHECK_NEAR(c, i == j ? s.lam_L[i] : 0.0, 1e-12 * s.lam_L[0]);
+        }
+    }
+  }
+}
+
+// The CPU recipe at the tiny shape for `steps` steps from the same weights, on one batch over and
+// over (the synthetic tokens are near uniform: only memorising them lowers the loss), its hidden
+// matrices by Muon (reference_train_step) or by REKLS (qkv [3, d, d] as three matrices; Adam keeps
+// the rest, as --matrix-optimizer rekls). Returns each step's mean loss per token.
+std::vector<double> train_tiny(bool rekls, int steps) {
+  RecipeConfig r;
+  r.model = ModelConfig::tiny();
+  r.schedule.num_iterations = steps;
+  const int T = 64, M = 2;
+  const std::vector<uint16_t> tokens =
+      synthetic_tokens(size_t(M) * T + 1, r.model.vocab_size, r.model.bos_token, 0.03, 5);
+  ReferenceState<double> st(r.model, init_params(r.model, 7, /*random_everything=*/true));
+  const std::vector<ParamSpec> specs = param_specs(r.model);
+  const ReklsConfig cfg;
+  std::map<std::pair<size_t, int64_t>, ReklsState> rekls_states;  // (parameter, matrix) -> state
+  std::vector<double> losses;
+  for (int step = 0; step < steps; ++step) {
+    const GlobalBatch batch{tokens.data(), T, M};
+    if (!rekls) {
+      losses.push_back(reference_train_step(r, step, batch, st) / T);
+      continue;
+    }
+    Tensors grads = zeros_like_params(r.model);
+    int count = 0;
+    losses.push_back(accumulate_micro_gradients(r, to_double(st.params), batch, step, 0, 1, grads, count) / M / T);
+    const StepHyper hyper(r.schedule, step, r.muon);
+    ++st.adam_steps;
+    for (size_t p = 0; p < specs.size(); ++p) {
+      for (double& g : grads[p]) g /= M;
+      if (!uses_muon(specs[p].role)) {
+        adam_update(st.params[p].data(), grads[p].data(), st.adam_m[p].data(), st.adam_v[p].data(), specs[p].numel(),
+                    hyper.adam_lr(r.adam, specs[p].role), st.adam_steps, r.adam);
+        continue;
+      }
+      const std::vector<int64_t>& shape = specs[p].shape;
+      const int rows = int(shape[shape.size() - 2]), cols = int(shape.back());
+      const int64_t n = int64_t(rows) * cols;
+      for (int64_t k = 0; k < specs[p].numel() / n; ++k) {
+        ReklsState& s = rekls_states.try_emplace({p, k}, rows, cols).first->second;
+        rekls_update(st.params[p].data() + k * n, grads[p].data() + k * n, s, cfg.lr * r.schedule.lr_factor(step),
+                     st.adam_steps, cfg);
+      }
+    }
+  }
+  return losses;
+}
+
+TEST_CASE("rekls against muon in the tiny CPU recipe: the loss of each after N steps (printed), both learn") {
+  const int steps = 30;
+  const std::vector<double> muon = train_tiny(false, steps), rekls = train_tiny(true, steps);
+  for (int step : {0, 9, 19, 29})
+    std::printf("  step %2d: loss per token muon %.4f, rekls %.4f\n", step, muon[step], rekls[step]);
+  CHECK(muon[0] == rekls[0]);  // the same weights and batch before any update
+  auto last_ten = [](const std::vector<double>& l) { return std::accumulate(l.end() - 10, l.end(), 0.0) / 10; };
+  CHECK(last_ten(muon) < muon[0]);
+  CHECK(last_ten(rekls) < rekls[0]);
 }
 
 int main() { return check::run_checks(); }

@@ -279,6 +279,15 @@ TEST_CASE("a resumed run must have the checkpoint's training settings; each diff
         "--diloco-groups was (none), is 2; --diloco-fragments was (none), is 3; --diloco-sync-every was (none), is 30; "
         "--diloco-sync-delay was (none), is 0; --diloco-outer-lr was (none), is 0.7; --diloco-outer-momentum was (none), "
         "is 0.9; --diloco-alpha was (none), is 0; --diloco-comm was (none), is fp32");
+  // REKLS's settings are recorded where it is on only: a Muon run's checkpoint reads as before.
+  Hyperparameters rekls = h;
+  rekls.matrix_optimizer = "rekls";
+  CHECK(saved.find("rekls") == std::string::npos);
+  CHECK(resume_flag_differences(saved, resume_flags(rekls, 8)).rfind("--matrix-optimizer was (none), is rekls; ", 0) == 0);
+  CHECK(resume_flag_differences(resume_flags(rekls, 8), saved).rfind("--matrix-optimizer was rekls, is (none); ", 0) == 0);
+  rekls.rekls_lr = 0.01;
+  CHECK(resume_flag_differences(resume_flags(rekls, 8), resume_flags(h, 8)).find("--rekls-lr was 0.01, is (none)") !=
+        std::string::npos);
 }
 
 int main() { return check::run_checks(); }

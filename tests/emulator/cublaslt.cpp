@@ -193,6 +193,9 @@ cublasStatus_t check(const Desc& d, const Layout& a, const Layout& b, const Layo
     if (!is_fp8(a.type) || !is_fp8(b.type) || (a.type == CUDA_R_8F_E5M2 && b.type == CUDA_R_8F_E5M2))
       return CUBLAS_STATUS_NOT_SUPPORTED;
     if (!ta || tb || a.ld % 16 || b.ld % 16) return CUBLAS_STATUS_NOT_SUPPORTED;  // FP8 is "TN" only
+  } else if (a.type == CUDA_R_32F || b.type == CUDA_R_32F) {  // SGEMM: fp32 throughout
+    if (a.type != b.type || dl.type != CUDA_R_32F || d.a_scale || d.b_scale || d.fast_accum)
+      return CUBLAS_STATUS_NOT_SUPPORTED;
   } else if (a.type != CUDA_R_16BF || b.type != CUDA_R_16BF) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
   } else if (d.a_scale || d.b_scale || d.fast_accum) {

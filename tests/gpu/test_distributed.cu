@@ -86,9 +86,11 @@ enum class Backend { simulated, nccl };  // W = 1 without NCCL is SingleRankComm
 
 // Every rank trains K steps on its micro-sequences of the same global batches; returns each rank's snapshot.
 std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, const std::vector<uint16_t>& stream,
-                                  Backend backend = Backend::simulated) {
-  Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
+                                  Backend backend = Backend::simulated, const std::string& matrix_optimizer = "muon",
+                                  int micro = kMicro) {
+  Hyperparameters h = test_hyperparameters(kSteps, micro, kT);
   h.grad_comm = grad_comm;
+  h.matrix_optimizer = matrix_optimizer;
   const Schedule schedule = schedule_of(h);
   std::vector<Snapshot> result(world_size);
   auto per_rank = [&](DeviceCommunicator& comm) {
@@ -98,7 +100,7 @@ std::vector<Snapshot> train_ranks(int world_size, const std::string& grad_comm, 
     CUDA_CHECK(cudaStreamCreate(&s));
     double mean_loss = 0;
     for (int step = 0; step < kSteps; ++step) {
-      HostBatch host(stream.data() + size_t(step) * kMicro * kT, kMicro, kT, step, comm.rank(), comm.world_size());
+      HostBatch host(stream.data() + size_t(step) * micro * kT, micro, kT, step, comm.rank(), comm.world_size());
       double loss_sum = train_step(t.model, t.acts, t.optimizers, host.batch, step, schedule, /*fp8_head=*/false, s);
       mean_loss = mean_over_ranks(comm, loss_sum, double(host.batch.num_micro) * kT);
     }
@@ -203,6 +205,81 @@ TEST_CASE("every injected distributed bug makes the GPU oracle fail, by 10x the 
     }
     injected_fault() = Fault::none;
     const double error = worst_error(single_rank_result(), ranks, where);
+    std::printf("  %-26s W = %d: worst relative error %.3e (%s): %.0fx the rounding, %.1fx the bound\n",
+                fault_name(fault), kBugWorld, error, where.c_str(), error / rounding, error / kBound);
+    CHECK(error > kBound);
+    CHECK(error >= kRoundingMargin * rounding);
+  }
+}
+
+// REKLS in its first steps turns the rounding of another fp32 summation order into O(1)
+// differences (docs/REKLS.md: the fc factors' null space, whose rounding-sized eigenvalues its KL
+// update weighs by 1 / max(lam, eps), and Adam's V, which is not rotated with the basis): W = 2
+// and 3 at M = 4 sum pairs of micro-sequences per rank first and differ from W = 1 by 6 and 13.
+// So REKLS's oracle gives each rank one micro-sequence (M = W, summed in rank order as W = 1 sums
+// them, so only the optimizer's distribution is tested) and, for W = 8 > M, M = 4 with ranks
+// without one; its bound is the Muon oracle's, and what it leaves is the bf16 value embeddings'.
+std::vector<Snapshot> train_rekls_ranks(int world_size, int micro) {
+  return train_ranks(world_size, "fp32-rs", token_stream(), Backend::simulated, "rekls", micro);
+}
+
+// Without an injected fault, each (W, M) trains once per process: the oracle's W = 3 is the
+// injected bugs' rounding.
+const std::vector<Snapshot>& rekls_result(int world_size, int micro) {
+  static std::map<std::pair<int, int>, std::vector<Snapshot>> results;
+  if (injected_fault() != Fault::none) throw std::logic_error("rekls_result caches runs without a fault only");
+  auto it = results.find({world_size, micro});
+  if (it == results.end()) it = results.emplace(std::pair{world_size, micro}, train_rekls_ranks(world_size, micro)).first;
+  return it->second;
+}
+const Snapshot& single_rank_rekls(int micro) { return rekls_result(1, micro)[0]; }
+
+// The REKLS states alone (factors, eigenbases, eigenvalues, moments of the owned matrices).
+Snapshot rekls_states(const Snapshot& s) {
+  Snapshot states;
+  for (const auto& [name, values] : s)
+    if (name.rfind("rekls state ", 0) == 0) states[name] = values;
+  return states;
+}
+
+void check_rekls_oracle(int W, int micro) {
+  std::vector<Snapshot> ranks = rekls_result(W, micro);
+  std::string where, rekls_where;
+  const double error = worst_error(single_rank_rekls(micro), ranks, where);
+  for (Snapshot& r : ranks) r = rekls_states(r);
+  const double rekls_error = worst_error(single_rank_rekls(micro), ranks, rekls_where);
+  std::printf("  rekls W = %d, M = %d: worst relative error %.3e (%s), bound %.2g; of the REKLS states %.3e (%s)\n", W,
+              micro, error, where.c_str(), kBound, rekls_error, rekls_where.empty() ? "all bitwise equal" : rekls_where.c_str());
+  CHECK(error <= kBound);
+}
+
+TEST_CASE("rekls: W = 2, 3 simulated ranks reproduce W = 1: parameters, factors, eigenbases, moments") {
+  check_rekls_oracle(2, 2);
+  check_rekls_oracle(3, 3);
+}
+
+TEST_CASE("rekls: W = 4, 8 (8 > M: some without a micro-sequence) reproduce W = 1: parameters, REKLS states") {
+  check_rekls_oracle(4, 4);
+  check_rekls_oracle(8, 4);
+}
+
+TEST_CASE("rekls: every injected distributed bug (W = 3) fails the oracle, by 10x the rounding or more") {
+  std::string where;
+  const double rounding = worst_error(single_rank_rekls(kBugWorld), rekls_result(kBugWorld, kBugWorld), where);
+  std::printf("  %-26s W = %d: worst relative error %.3e (%s)\n", "none (rounding)", kBugWorld, rounding, where.c_str());
+  // The communication's own bugs are the Muon oracle's; with REKLS they failed it by 1e5x too
+  // (avg_instead_of_sum, skip_all_gather: docs/REKLS.md).
+  for (Fault fault : {Fault::local_matrix_gradient}) {
+    injected_fault() = fault;
+    std::vector<Snapshot> ranks;
+    try {
+      ranks = train_rekls_ranks(kBugWorld, kBugWorld);
+    } catch (...) {
+      injected_fault() = Fault::none;
+      throw;
+    }
+    injected_fault() = Fault::none;
+    const double error = worst_error(single_rank_rekls(kBugWorld), ranks, where);
     std::printf("  %-26s W = %d: worst relative error %.3e (%s): %.0fx the rounding, %.1fx the bound\n",
                 fault_name(fault), kBugWorld, error, where.c_str(), error / rounding, error / kBound);
     CHECK(error > kBound);

@@ -148,11 +148,14 @@ TEST_CASE("M = 8 micro-sequences give the gradients of M = 1 over their concaten
   }
 }
 
-TEST_CASE("resuming from a checkpoint gives bitwise the run that did not stop") {
+namespace {
+
+// K steps straight, against 1 step, a checkpoint, a restore into other weights and K - 1 steps.
+void check_resume_is_bitwise(const std::string& matrix_optimizer, const GPTConfig& config) {
   const int T = 256;  // bitwise at any shape: two attention blocks are enough
   Hyperparameters h = test_hyperparameters(kSteps, kMicro, T);
+  h.matrix_optimizer = matrix_optimizer;
   const Schedule schedule = schedule_of(h);
-  const GPTConfig config = gpu_config();
   std::vector<uint16_t> stream = token_stream(kMicro, T, 41);
   auto run = [&](GPT& model, Activations& acts, Optimizers& optimizers, int first, int last) {
     std::vector<double> losses;
@@ -193,6 +196,20 @@ TEST_CASE("resuming from a checkpoint gives bitwise the run that did not stop") 
     CHECK(same);
   }
   std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+TEST_CASE("resuming from a checkpoint gives bitwise the run that did not stop") {
+  check_resume_is_bitwise("muon", gpu_config());
+}
+
+// At d = 128: REKLS decomposes 24 factors of 4d x 4d per step, which the emulator does in double.
+TEST_CASE("rekls: resuming from a checkpoint (factors, eigenbases, moments) gives bitwise the run that did not stop") {
+  GPTConfig config = gpu_config();
+  config.model_dim = 128;
+  config.num_heads = 1;
+  check_resume_is_bitwise("rekls", config);
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

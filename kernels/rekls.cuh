@@ -1,0 +1,246 @@
+// REKLS on the GPU for one matrix P [m, n] at a time: the KL-Shampoo Kronecker factors L [m, m]
+// and R [n, n], their eigenbases Q_L, Q_R and eigenvalues from cuSOLVER's syevd in fp32, and
+// Adam's moments M, V [m, n] in the rotated basis. The equations, with the lines of NVIDIA's
+// implementation they come from, are in the CPU reference (tests/reference/rekls.h), which the
+// GPU test compares against. Every product is an fp32 cuBLASLt matmul (no TF32): the factors
+// span ~1e8 after the first step's clamped eigenvalues, and the eigenbasis needs their low bits.
+#pragma once
+#include "kernels/cuda_check.cuh"
+#include "kernels/device_utils.cuh"
+#include "kernels/faults.h"
+#include "kernels/matmul.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+// Defaults of NVIDIA's REKLS (legacy_soap/rekls.py:41-44) but the learning rate, which it leaves
+// to the caller; eigenbasis_every 1 is REKLS's every-step refresh.
+struct ReklsSettings {
+  float beta1 = 0.9f, beta2 = 0.95f, shampoo_beta = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
+  int eigenbasis_every = 1;
+};
+
+// One step: learning rate (schedule applied), 1-based step count, and 1 / M for the summed gradient.
+struct ReklsStep {
+  float lr;
+  int64_t t;
+  float grad_scale;
+};
+
+// The state of one matrix [m, n] in one fp32 buffer (so that a checkpoint lists one per matrix),
+// in this order: L [m, m], R [n, n], Q_L [m, m], Q_R [n, n] (columns the eigenvectors, by
+// descending eigenvalue), lam_L [m], lam_R [n], M [m, n], V [m, n].
+struct ReklsBuffers {
+  float *L, *R, *QL, *QR, *lam_L, *lam_R, *M, *V;
+  static size_t elems(int m, int n) {
+    return 2 * (size_t(m) * m + size_t(n) * n) + size_t(m) + n + 2 * size_t(m) * n;
+  }
+  static ReklsBuffers at(float* base, int m, int n) {
+    ReklsBuffers s;
+    const size_t mm = size_t(m) * m, nn = size_t(n) * n, mn = size_t(m) * n;
+    s.L = base;
+    s.R = s.L + mm;
+    s.QL = s.R + nn;
+    s.QR = s.QL + mm;
+    s.lam_L = s.QR + nn;
+    s.lam_R = s.lam_L + m;
+    s.M = s.lam_R + n;
+    s.V = s.M + mn;
+    return s;
+  }
+};
+
+// One matrix of an update: its fp32 parameter, summed gradient and state buffer (ReklsBuffers).
+struct ReklsMatrix {
+  float* p;
+  const float* g;
+  float* state;
+};
+
+__global__ void rekls_identity_kernel(float* q, int k) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(k) * k; i += size_t(gridDim.x) * blockDim.x)
+    q[i] = i / k == i % k ? 1.0f : 0.0f;
+}
+
+// The initial state (soap.py:148-160): everything zero but Q_L, Q_R, the identity.
+inline void rekls_reset_state(float* state, int m, int n, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(state, 0, ReklsBuffers::elems(m, n) * sizeof(float), stream));
+  const ReklsBuffers s = ReklsBuffers::at(state, m, n);
+  rekls_identity_kernel<<<elementwise_grid(size_t(m) * m), 256, 0, stream>>>(s.QL, m);
+  CUDA_CHECK_LAUNCH();
+  rekls_identity_kernel<<<elementwise_grid(size_t(n) * n), 256, 0, stream>>>(s.QR, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+__global__ void rekls_scale_kernel(const float* in, float* out, size_t n, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = in[i] * scale;
+}
+
+// out[i, j] = x[i, j] / (dim * max(lam[by_row ? i : j], eps)), x [rows, cols]: one side of the
+// KL correction Q diag(max(lam, eps)^-1) Q^T / dim applied to the gradient in that basis.
+__global__ void rekls_kl_scale_kernel(const float* x, float* out, int rows, int cols, const float* lam, bool by_row,
+                                      float dim, float eps) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(rows) * cols;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const float l = lam[by_row ? i / cols : i % cols];
+    out[i] = x[i] / (dim * fmaxf(l, eps));
+  }
+}
+
+// syevd's ascending eigenvalues w and eigenvectors (column-major, i.e. row j of `vectors` is the
+// j-th) into Q [k, k] (columns, descending: torch.linalg.eigh flipped, utils/eig.py:67-69) and lam.
+__global__ void rekls_descending_basis_kernel(const float* vectors, const float* w, float* Q, float* lam, int k) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(k) * k; i += size_t(gridDim.x) * blockDim.x) {
+    const int row = int(i / k), col = int(i % k);
+    Q[i] = vectors[size_t(k - 1 - col) * k + row];
+    if (row == 0) lam[col] = w[k - 1 - col];
+  }
+}
+
+// Adam in the rotated basis (adam.py:66-88): M, V updated, U = (M / bias1) / (sqrt(V / bias2) + eps).
+__global__ void rekls_adam_kernel(const float* rotated, float* M, float* V, float* U, size_t n, float beta1, float beta2,
+                                  float bias1, float bias2, float eps) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float g = rotated[i];
+    const float m = beta1 * M[i] + (1 - beta1) * g, v = beta2 * V[i] + (1 - beta2) * g * g;
+    M[i] = m;
+    V[i] = v;
+    U[i] = (m / bias1) / (sqrtf(v / bias2) + eps);
+  }
+}
+
+// p <- p - lr wd p - lr update (decoupled weight decay, soap.py:258-263 and 286)
+__global__ void rekls_apply_kernel(float* p, const float* update, size_t n, float lr, float weight_decay) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = p[i] - lr * weight_decay * p[i] - lr * update[i];
+}
+
+// The scratch and the cuSOLVER handle of REKLS updates of the given shapes [m, n].
+class Rekls {
+ public:
+  explicit Rekls(const std::vector<std::pair<int, int>>& shapes) {
+    CUSOLVER_CHECK(cusolverDnCreate(&solver_));
+    CUSOLVER_CHECK(cusolverDnCreateParams(&params_));
+    size_t largest_mn = 1, largest_k = 1;
+    for (auto [m, n] : shapes) {
+      largest_mn = std::max(largest_mn, size_t(m) * n);
+      largest_k = std::max({largest_k, size_t(m), size_t(n)});
+    }
+    for (float** b : {&g_, &x_, &y_, &t_}) CUDA_CHECK(cudaMalloc(b, largest_mn * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&vectors_, largest_k * largest_k * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&values_, largest_k * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&info_, sizeof(int)));
+    for (auto [m, n] : shapes)
+      for (int k : {m, n}) {
+        size_t device = 0, host = 0;
+        CUSOLVER_CHECK(cusolverDnXsyevd_bufferSize(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, k,
+                                                   CUDA_R_32F, vectors_, k, CUDA_R_32F, values_, CUDA_R_32F, &device,
+                                                   &host));
+        solver_device_bytes_ = std::max(solver_device_bytes_, device);
+        solver_host_bytes_ = std::max(solver_host_bytes_, host);
+      }
+    CUDA_CHECK(cudaMalloc(&solver_device_, std::max<size_t>(solver_device_bytes_, 1)));
+    solver_host_.resize(std::max<size_t>(solver_host_bytes_, 1));
+  }
+  ~Rekls() {
+    for (void* p : {(void*)g_, (void*)x_, (void*)y_, (void*)t_, (void*)vectors_, (void*)values_, (void*)info_,
+                    solver_device_})
+      cudaFree(p);
+    cusolverDnDestroyParams(params_);
+    cusolverDnDestroy(solver_);
+  }
+  Rekls(const Rekls&) = delete;
+  Rekls& operator=(const Rekls&) = delete;
+
+  // One REKLS step of each matrix [m, n] (see tests/reference/rekls.h for the equations).
+  void update(const std::vector<ReklsMatrix>& matrices, int m, int n, const ReklsSettings& cfg, const ReklsStep& step,
+              Matmul& matmul, cudaStream_t stream) {
+    for (const ReklsMatrix& x : matrices) update_one(x, m, n, cfg, step, matmul, stream);
+  }
+
+ private:
+  void update_one(const ReklsMatrix& x, int m, int n, const ReklsSettings& cfg, const ReklsStep& step, Matmul& matmul,
+                  cudaStream_t stream) {
+    const size_t mn = size_t(m) * n;
+    const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
+    const double t = double(step.t);
+    // fp32 products: C[M, N] = alpha op(A) op(B) + beta C
+    auto product = [&](const float* A, Transpose ta, const float* B, Transpose tb, float* C, int M, int N, int K,
+                       float alpha = 1.0f, float beta = 0.0f) {
+      MatmulOptions o;
+      o.a_type = o.b_type = CUDA_R_32F;
+      matmul(A, ta, B, tb, C, M, N, K, CUDA_R_32F, o, stream, alpha, beta);
+    };
+    rekls_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x.g, g_, mn, step.grad_scale);  // G
+    CUDA_CHECK_LAUNCH();
+
+    // The factors, with the previous bases (soap.py:372-387): L <- b L + (1 - b) (G Q_R) S_R (G Q_R)^T,
+    // R <- b R + (1 - b) (Q_L^T G)^T S_L (Q_L^T G), S = diag(max(lam, eps)^-1) / dim.
+    const float b = float(1 - (1 - double(cfg.shampoo_beta)) / (1 - std::pow(double(cfg.shampoo_beta), t)));
+    product(g_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);  // X = G Q_R
+    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, y_, m, n, s.lam_R, false, float(n), cfg.eps);
+    CUDA_CHECK_LAUNCH();
+    product(y_, Transpose::N, x_, Transpose::T, s.L, m, m, n, 1 - b, b);
+    product(s.QL, Transpose::T, g_, Transpose::N, x_, m, n, m);  // X = Q_L^T G
+    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, y_, m, n, s.lam_L, true, float(m), cfg.eps);
+    CUDA_CHECK_LAUNCH();
+    product(x_, Transpose::T, y_, Transpose::N, s.R, n, n, m, 1 - b, b);
+
+    if ((step.t - 1) % cfg.eigenbasis_every == 0) {  // soap.py:440-458
+      product(s.M, Transpose::N, s.QR, Transpose::T, t_, m, n, n);  // M out of the old basis
+      product(s.QL, Transpose::N, t_, Transpose::N, s.M, m, n, m);
+      eigenbasis(s.L, m, s.QL, s.lam_L, stream);
+      eigenbasis(s.R, n, s.QR, s.lam_R, stream);
+      product(s.QL, Transpose::T, s.M, Transpose::N, t_, m, n, m);  // and into the new one
+      product(t_, Transpose::N, s.QR, Transpose::N, s.M, m, n, n);
+    }
+
+    product(s.QL, Transpose::T, g_, Transpose::N, t_, m, n, m);  // G' = Q_L^T G Q_R
+    product(t_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);
+    const float bias1 = float(1 - std::pow(double(cfg.beta1), t)), bias2 = float(1 - std::pow(double(cfg.beta2), t));
+    rekls_adam_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, s.M, s.V, y_, mn, cfg.beta1, cfg.beta2, bias1, bias2,
+                                                                cfg.eps);
+    CUDA_CHECK_LAUNCH();
+    const Transpose back = injected_fault() == Fault::rekls_rotation_untransposed ? Transpose::N : Transpose::T;
+    product(y_, Transpose::N, s.QR, back, t_, m, n, n);  // Q_L U Q_R^T
+    product(s.QL, Transpose::N, t_, Transpose::N, x_, m, n, m);
+    rekls_apply_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x.p, x_, mn, step.lr, cfg.weight_decay);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  // (lam, Q) of the symmetric factor [k, k] by syevd in fp32, eigenvalues descending. syevd
+  // reads the lower triangle of the column-major matrix: the upper one of our row-major factor.
+  // Its *info (nonzero: no convergence, or a bad argument) is read back at once, a host
+  // synchronisation per factor (unmeasured: no GPU yet; one read per step would do).
+  void eigenbasis(const float* factor, int k, float* Q, float* lam, cudaStream_t stream) {
+    CUDA_CHECK(cudaMemcpyAsync(vectors_, factor, size_t(k) * k * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    CUSOLVER_CHECK(cusolverDnSetStream(solver_, stream));
+    CUSOLVER_CHECK(cusolverDnXsyevd(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, k, CUDA_R_32F,
+                                    vectors_, k, CUDA_R_32F, values_, CUDA_R_32F, solver_device_, solver_device_bytes_,
+                                    solver_host_.data(), solver_host_bytes_, info_));
+    int info = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (info != 0)
+      throw std::runtime_error("rekls: cusolverDnXsyevd of a " + std::to_string(k) + "x" + std::to_string(k) +
+                               " Kronecker factor failed, info " + std::to_string(info) +
+                               (info > 0 ? " (no convergence: a non-finite factor?)" : " (bad argument)"));
+    rekls_descending_basis_kernel<<<elementwise_grid(size_t(k) * k), 256, 0, stream>>>(vectors_, values_, Q, lam, k);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  cusolverDnHandle_t solver_ = nullptr;
+  cusolverDnParams_t params_ = nullptr;
+  float *g_ = nullptr, *x_ = nullptr, *y_ = nullptr, *t_ = nullptr;  // [largest m n] each
+  float *vectors_ = nullptr, *values_ = nullptr;                      // syevd's A [k, k] and W [k]
+  int* info_ = nullptr;
+  void* solver_device_ = nullptr;
+  size_t solver_device_bytes_ = 0, solver_host_bytes_ = 0;
+  std::vector<char> solver_host_;
+};

@@ -1,0 +1,125 @@
+// REKLS on the GPU (kernels/rekls.cuh: fp32 cuBLASLt products, cuSOLVER's syevd) against the
+// fp64 CPU reference (tests/reference/rekls.h) on fresh random parameters and gradients: K steps
+// of a square matrix (both factors of full rank: distinct eigenvalues, so the bases are defined up
+// to sign), one step of a tall and of a wide one, an eigenbasis refreshed every second step.
+// Compared: the parameter's change, L, R, their eigenvalues, V, and the first moment rotated back
+// (Q_L M Q_R^T): the eigenvectors' signs are the solver's choice, these do not depend on them.
+// The gradients are of 1e-6: Adam's elementwise step U = M / (sqrt(V) + eps) divides each rotated
+// entry by its own size, so entries that are zero in exact arithmetic (the first step's rotated
+// gradient is diagonal, G's singular values) come out as rounding / (|rounding| + eps), fp32's and
+// fp64's rounding differing: at gradients of 1e-3 that is a 1e-2 difference of the first update
+// (measured), the algorithm's own sensitivity in fp32, not the kernels'. Non-square matrices run
+// one step: the larger factor then has a null space (rank min(m, n)) whose eigenvalues later steps
+// fill at the factor's fp32 resolution, eigenvectors that no two solvers share (3e-3 at 4 steps).
+#include "gpu/gpu_test.h"
+#include "kernels/rekls.cuh"
+#include "reference/rekls.h"
+
+namespace {
+
+// Q_L M Q_R^T from the downloaded state (fp64 products).
+std::vector<double> moment_out_of_basis(const std::vector<double>& M, const std::vector<double>& QL,
+                                        const std::vector<double>& QR, int m, int n) {
+  ReklsState s(m, n);
+  s.QL = QL;
+  s.QR = QR;
+  return rekls_rotate_out(M, s);
+}
+
+std::vector<double> slice(const std::vector<double>& v, const float* base, const float* from, size_t count) {
+  const size_t at = size_t(from - base);
+  return std::vector<double>(v.begin() + at, v.begin() + at + count);
+}
+
+constexpr double kGradStd = 1e-6;  // see above
+
+// Relative errors after the steps, each against the reference.
+struct ReklsErrors {
+  double change, L, R, lam_L, lam_R, V, M_out;
+};
+
+ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed) {
+  const size_t mn = size_t(m) * n;
+  const float lr = 0.01f, grad_scale = 0.5f;
+  std::vector<double> p0 = random_normal(mn, seed, 0.02);
+  std::vector<float> pf(p0.begin(), p0.end());
+  DeviceBuffer<float> dp(pf), dg(mn), dstate(ReklsBuffers::elems(m, n));
+  rekls_reset_state(dstate.get(), m, n, 0);
+  Matmul matmul;
+  Rekls rekls({{m, n}});
+  ReklsSettings settings;
+  settings.eigenbasis_every = eigenbasis_every;
+  ReklsConfig cfg;
+  cfg.eigenbasis_every = eigenbasis_every;
+  std::vector<double> p_ref(pf.begin(), pf.end());
+  ReklsState ref(m, n);
+  for (int t = 1; t <= steps; ++t) {
+    std::vector<double> g = random_normal(mn, seed + 100 + t, kGradStd);
+    std::vector<float> gf(g.begin(), g.end());
+    dg.upload(gf);
+    rekls.update({{dp.get(), dg.get(), dstate.get()}}, m, n, settings, {lr, t, grad_scale}, matmul, 0);
+    std::vector<double> g_ref(mn);
+    for (size_t i = 0; i < mn; ++i) g_ref[i] = double(gf[i]) * grad_scale;
+    rekls_update(p_ref.data(), g_ref.data(), ref, lr, t, cfg);
+  }
+  const std::vector<double> p = to_double(dp.download()), state = to_double(dstate.download());
+  std::vector<double> change(mn), change_ref(mn);
+  for (size_t i = 0; i < mn; ++i) change[i] = p[i] - pf[i], change_ref[i] = p_ref[i] - pf[i];
+  const ReklsBuffers b = ReklsBuffers::at(dstate.get(), m, n);
+  const float* base = dstate.get();
+  const std::vector<double> L = slice(state, base, b.L, size_t(m) * m), R = slice(state, base, b.R, size_t(n) * n);
+  const std::vector<double> lam_L = slice(state, base, b.lam_L, m), lam_R = slice(state, base, b.lam_R, n);
+  const std::vector<double> V = slice(state, base, b.V, mn);
+  const std::vector<double> M_out = moment_out_of_basis(slice(state, base, b.M, mn), slice(state, base, b.QL, size_t(m) * m),
+                                                        slice(state, base, b.QR, size_t(n) * n), m, n);
+  const std::vector<double> M_out_ref = rekls_rotate_out(ref.M, ref);
+  return {relative_error(change, change_ref), relative_error(L, ref.L), relative_error(R, ref.R),
+          relative_error(lam_L, ref.lam_L), relative_error(lam_R, ref.lam_R), relative_error(V, ref.V),
+          relative_error(M_out, M_out_ref)};
+}
+
+// The factors and their eigenvalues are fp32 sums of products (3e-5); the change, V and the
+// moment go through fp32 eigenvectors and Adam's division (1e-3). The emulator measured at most
+// 4.6e-6 and 2.0e-4 (docs/REKLS.md).
+double check_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed) {
+  std::printf("  rekls [%d, %d], %d steps, eigenbasis every %d\n", m, n, steps, eigenbasis_every);
+  const ReklsErrors e = run_rekls(m, n, steps, eigenbasis_every, seed);
+  const double factor_bound = 3e-5, bound = 1e-3;
+  for (auto [what, error, limit] : {std::tuple{"parameter change", e.change, bound}, {"L", e.L, factor_bound},
+                                    {"R", e.R, factor_bound}, {"lam_L", e.lam_L, factor_bound},
+                                    {"lam_R", e.lam_R, factor_bound}, {"V", e.V, bound},
+                                    {"Q_L M Q_R^T", e.M_out, bound}}) {
+    std::printf("    %-18s rel. error %.2e (bound %.0e)\n", what, error, limit);
+    CHECK(error <= limit);
+  }
+  return e.change;
+}
+
+}  // namespace
+
+TEST_CASE("rekls step: KL factors, syevd eigenbases, Adam in the rotated basis; square, tall, wide") {
+  check_rekls(48, 48, 4, 1, 1);
+  check_rekls(40, 24, 1, 1, 2);  // tall: L has a null space
+  check_rekls(16, 56, 1, 1, 3);  // wide: R has one
+  check_rekls(32, 32, 3, 2, 4);  // eigenbasis every second step
+  if (at_record_shapes("rekls at 768 x 768")) check_rekls(768, 768, 2, 1, 5);
+}
+
+TEST_CASE("rekls: the update rotated back without the transpose of Q_R fails by 10x the rounding or more") {
+  const double rounding = check_rekls(24, 24, 2, 1, 6);
+  injected_fault() = Fault::rekls_rotation_untransposed;
+  double error = 0;
+  try {
+    error = run_rekls(24, 24, 2, 1, 6).change;
+  } catch (...) {
+    injected_fault() = Fault::none;
+    throw;
+  }
+  injected_fault() = Fault::none;
+  std::printf("  rekls_rotation_untransposed: change rel. error %.2e, %.0fx the rounding %.2e\n", error, error / rounding,
+              rounding);
+  CHECK(error >= 10 * rounding);
+  CHECK(error > 1e-3);
+}
+
+int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }
