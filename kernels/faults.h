@@ -33,6 +33,14 @@ inline Fault& injected_fault() {
   return fault;
 }
 
+// Sets a fault for the lifetime of the guard and always restores Fault::none (an exception too).
+struct ScopedFault {
+  explicit ScopedFault(Fault f) { injected_fault() = f; }
+  ~ScopedFault() { injected_fault() = Fault::none; }
+  ScopedFault(const ScopedFault&) = delete;
+  ScopedFault& operator=(const ScopedFault&) = delete;
+};
+
 inline const char* fault_name(Fault f) {
   switch (f) {
     case Fault::none: return "none";

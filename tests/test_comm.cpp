@@ -153,12 +153,6 @@ std::string message_of_run_within_timeout(std::function<void()> body) {
   return result.get();
 }
 
-// Sets a fault for the lifetime of the guard and always restores Fault::none.
-struct ScopedFault {
-  explicit ScopedFault(Fault f) { injected_fault() = f; }
-  ~ScopedFault() { injected_fault() = Fault::none; }
-};
-
 }  // namespace
 
 TEST_CASE("collectives equal their serial definitions for W = 1, 2, 3, 4, 5, 8, f32 and f64") {

@@ -127,9 +127,11 @@ TEST_CASE("every injected distributed bug makes the oracle fail") {
                           Fault::replicated_count_per_rank};
   for (Fault f : faults) {
     for (int world_size : {3, 4}) {
-      injected_fault() = f;
-      Worst w = sharded_run(oracle(), world_size);
-      injected_fault() = Fault::none;
+      Worst w;
+      {
+        ScopedFault injected(f);
+        w = sharded_run(oracle(), world_size);
+      }
       std::printf("  %-26s W = %d: worst relative error %.3e (%s)\n", fault_name(f), world_size, w.error, w.where.c_str());
       CHECK(w.error > 1e3 * kTolerance);  // caught with a wide margin, not by rounding
     }

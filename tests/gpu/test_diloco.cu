@@ -304,15 +304,11 @@ TEST_CASE("every injected DiLoCo bug is caught by 10x its bound or more") {
   CHECK(clean.worst <= 1);
   for (Fault fault : {Fault::diloco_flipped_sign, Fault::diloco_mix_to_copy, Fault::diloco_average_by_world,
                       Fault::diloco_wrong_fragment, Fault::diloco_momentum_reset, Fault::diloco_delay_wrong_step}) {
-    injected_fault() = fault;
     Outcome got;
-    try {
+    {
+      ScopedFault injected(fault);
       got = run_trainer(kBugConfig, init);
-    } catch (...) {
-      injected_fault() = Fault::none;
-      throw;
     }
-    injected_fault() = Fault::none;
     const Verdict v = compare(kBugConfig, got, want);
     std::printf("  %-26s worst relative error %.2e (%s): %.0fx its bound\n", fault_name(fault), v.error, v.where.c_str(),
                 v.worst);
@@ -641,15 +637,11 @@ TEST_CASE("training: 2 groups of 2 ranks equal each group alone with the referen
   std::printf("  after the final sync: worst relative error %.3e (%s)\n", after_finish, where.c_str());
   CHECK(after_steps <= kTrainingBound);
   CHECK(after_finish <= kTrainingBound);
-  injected_fault() = Fault::diloco_flipped_sign;
   std::pair<std::vector<Tensors>, std::vector<Tensors>> flipped;
-  try {
+  {
+    ScopedFault injected(Fault::diloco_flipped_sign);
     flipped = train_with_diloco(c);
-  } catch (...) {
-    injected_fault() = Fault::none;
-    throw;
   }
-  injected_fault() = Fault::none;
   const double bug = worst_training_error(c, flipped.second, want.second, where);
   std::printf("  with the flipped sign: worst relative error %.3e (%s): %.0fx the bound\n", bug, where.c_str(),
               bug / kTrainingBound);

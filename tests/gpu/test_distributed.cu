@@ -195,15 +195,11 @@ TEST_CASE("every injected distributed bug makes the GPU oracle fail, by 10x the 
   for (Fault fault : {Fault::avg_instead_of_sum, Fault::local_count_normalization, Fault::prescale_by_world,
                       Fault::drop_rank_contribution, Fault::wrong_shard_offset, Fault::skip_all_gather,
                       Fault::replicated_count_per_rank}) {
-    injected_fault() = fault;
     std::vector<Snapshot> ranks;
-    try {
+    {
+      ScopedFault injected(fault);
       ranks = train_ranks(kBugWorld, "fp32-rs", token_stream());
-    } catch (...) {
-      injected_fault() = Fault::none;
-      throw;
     }
-    injected_fault() = Fault::none;
     const double error = worst_error(single_rank_result(), ranks, where);
     std::printf("  %-26s W = %d: worst relative error %.3e (%s): %.0fx the rounding, %.1fx the bound\n",
                 fault_name(fault), kBugWorld, error, where.c_str(), error / rounding, error / kBound);
@@ -270,15 +266,11 @@ TEST_CASE("rekls: every injected distributed bug (W = 3) fails the oracle, by 10
   // The communication's own bugs are the Muon oracle's; with REKLS they failed it by 1e5x too
   // (avg_instead_of_sum, skip_all_gather: docs/REKLS.md).
   for (Fault fault : {Fault::local_matrix_gradient}) {
-    injected_fault() = fault;
     std::vector<Snapshot> ranks;
-    try {
+    {
+      ScopedFault injected(fault);
       ranks = train_rekls_ranks(kBugWorld, kBugWorld);
-    } catch (...) {
-      injected_fault() = Fault::none;
-      throw;
     }
-    injected_fault() = Fault::none;
     const double error = worst_error(single_rank_rekls(kBugWorld), ranks, where);
     std::printf("  %-26s W = %d: worst relative error %.3e (%s): %.0fx the rounding, %.1fx the bound\n",
                 fault_name(fault), kBugWorld, error, where.c_str(), error / rounding, error / kBound);

@@ -107,15 +107,11 @@ TEST_CASE("rekls step: KL factors, syevd eigenbases, Adam in the rotated basis; 
 
 TEST_CASE("rekls: the update rotated back without the transpose of Q_R fails by 10x the rounding or more") {
   const double rounding = check_rekls(24, 24, 2, 1, 6);
-  injected_fault() = Fault::rekls_rotation_untransposed;
   double error = 0;
-  try {
+  {
+    ScopedFault injected(Fault::rekls_rotation_untransposed);
     error = run_rekls(24, 24, 2, 1, 6).change;
-  } catch (...) {
-    injected_fault() = Fault::none;
-    throw;
   }
-  injected_fault() = Fault::none;
   std::printf("  rekls_rotation_untransposed: change rel. error %.2e, %.0fx the rounding %.2e\n", error, error / rounding,
               rounding);
   CHECK(error >= 10 * rounding);

@@ -37,15 +37,8 @@ bool same_paths(const KernelPaths& a, const KernelPaths& b) {
 }
 
 SelfCheckOutcome self_check_with(const Hyperparameters& h, Fault fault) {
-  injected_fault() = fault;
-  try {
-    SelfCheckOutcome outcome = self_check_paths(h, small_shape(), 511, nullptr, nullptr);
-    injected_fault() = Fault::none;
-    return outcome;
-  } catch (...) {
-    injected_fault() = Fault::none;
-    throw;
-  }
+  ScopedFault injected(fault);
+  return self_check_paths(h, small_shape(), 511, nullptr, nullptr);
 }
 
 // One micro-sequence's forward and backward on `paths` (the FP8 head on): the summed loss and
