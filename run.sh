@@ -50,7 +50,7 @@ for arg in "$@"; do
   esac
 done
 
-trainer=${SPEEDRUN_TRAINER:-./build/train_gpt}  # another command only in the launcher's tests
+trainer=${SPEEDRUN_TRAINER:-./build/train_gpt}  # the launcher's tests: a stand-in; acceptance.sh: a prebuilt one
 if [[ -z ${SPEEDRUN_TRAINER:-} ]]; then
   [[ -f build/CMakeCache.txt ]] || cmake --preset release >/dev/null
   cmake --build --preset release --target train_gpt

@@ -106,7 +106,7 @@ STAND_INS = {
         W = int(os.environ["NPROC"])
         with open(os.environ["FAKE_CALLS"], "a") as calls:
             calls.write(json.dumps({"NPROC": W, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                    "args": args}) + "\\n")
+                                    "SPEEDRUN_TRAINER": os.environ.get("SPEEDRUN_TRAINER"), "args": args}) + "\\n")
         if "--self-check-only" in args:
             behaviour = os.environ.get("FAKE_SELF_CHECK", "pass")
             if behaviour == "unknown":
@@ -255,6 +255,19 @@ class AcceptanceTest(unittest.TestCase):
         status, report, _ = self.acceptance("build", gpus=1, FAKE_BUILD_FAILS="1")
         self.assertEqual(status, 1)
         self.assertIn("Building gpu_tests bench_kernels FAILED: the end of build.log says why.", report)
+
+    def test_a_prebuilt_build_is_used_as_it_is(self):
+        status, report, output = self.acceptance("build", "tests", "self-check", gpus=1, ACCEPTANCE_PREBUILT="1")
+        self.assertEqual(status, 0, output)
+        self.assertIn("ACCEPTANCE_PREBUILT: build/ used as it is (gpu_tests bench_kernels not rebuilt).", report)
+        self.assertNotIn("cmake --preset", self.commands())
+        self.assertNotIn("cmake --build", self.commands())
+        self.assertEqual(self.run_sh_calls()[0]["SPEEDRUN_TRAINER"], os.path.join(self.repo, "build", "train_gpt"))
+        os.remove(os.path.join(self.repo, "build", "bench_kernels"))
+        status, report, _ = self.acceptance("bench", gpus=1, ACCEPTANCE_PREBUILT="1")
+        self.assertEqual(status, 1)
+        self.assertIn("ACCEPTANCE_PREBUILT: build/ has no bench_kernels.", report)
+        self.assertIn("**bench: FAILED**", report)
 
     def test_a_trainer_without_the_self_check_is_reported_as_missing(self):
         status, report, _ = self.acceptance("self-check", gpus=1, FAKE_SELF_CHECK="unknown")
