@@ -139,7 +139,8 @@ class Fp8Head {
     require_multiple_of_16("model_dim", model_dim);
     allocate();
     const float host_scales[3] = {scales_.x, scales_.w, scales_.grad};
-    CUDA_CHECK(cudaMemcpy(device_scales_, host_scales, sizeof host_scales, cudaMemcpyHostToDevice));
+    for (int i : {kX, kW, kGrad})
+      CUDA_CHECK(cudaMemcpy(device_scale(i), &host_scales[i], sizeof(float), cudaMemcpyHostToDevice));
   }
   ~Fp8Head() { cudaFree(storage_); }
   Fp8Head(const Fp8Head&) = delete;
@@ -207,20 +208,25 @@ class Fp8Head {
     gradient_ready_ = false;
   }
   void logits_product(bf16* logits, Matmul& matmul, cudaStream_t stream) {  // logits [rows, V]
-    MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, device_scales_ + kX, device_scales_ + kW, /*fast_accum=*/true};
+    MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, device_scale(kX), device_scale(kW), /*fast_accum=*/true};
     matmul(x_f8_, Transpose::N, w_f8_, Transpose::T, logits, rows_, V_, d_, CUDA_R_16BF, o, stream);
   }
   void grad_input_product(bf16* dx, Matmul& matmul, cudaStream_t stream) {  // dx [rows, d] = g [rows, V] w [V, d]
-    MatmulOptions o{CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, device_scales_ + kGrad, device_scales_ + kW, false};
+    MatmulOptions o{CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, device_scale(kGrad), device_scale(kW), false};
     matmul(g_f8_, Transpose::N, w_f8_t_, Transpose::T, dx, rows_, d_, V_, CUDA_R_16BF, o, stream);
   }
   void grad_weight_product(float* dw, Matmul& matmul, cudaStream_t stream) {  // dw [V, d] += g^T [V, rows] x [rows, d]
-    MatmulOptions o{CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, device_scales_ + kGrad, device_scales_ + kX, false};
+    MatmulOptions o{CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, device_scale(kGrad), device_scale(kX), false};
     matmul(g_f8_t_, Transpose::N, x_f8_t_, Transpose::T, dw, V_, d_, rows_, CUDA_R_32F, o, stream, 1.0f, 1.0f);
   }
 
  private:
-  enum { kX, kW, kGrad };  // indices into device_scales_
+  enum { kX, kW, kGrad };  // the scales' slots
+  // Each scale in a 256-byte slot of its own: cuBLASLt on an H200 refused (not supported) every FP8
+  // product whose scale pointers were 4 or 8 bytes apart (docs/PERF.md, 2026-11-26).
+  static constexpr size_t kScaleSlot = 256;
+  const float* device_scale(int i) const { return reinterpret_cast<const float*>(storage_ + i * kScaleSlot); }
+  float* device_scale(int i) { return reinterpret_cast<float*>(storage_ + i * kScaleSlot); }
 
   static void require_multiple_of_16(const char* what, int n) {
     if (n <= 0 || n % 16)
@@ -232,17 +238,16 @@ class Fp8Head {
       throw std::invalid_argument(std::string("Fp8Head: ") + what + " is not 16-byte aligned");
   }
 
-  // One allocation, carved at 256-byte boundaries: the scales, then the six FP8 buffers.
+  // One allocation, carved at 256-byte boundaries: the scales' slots, then the six FP8 buffers.
   void allocate() {
     const size_t xd = size_t(max_rows_) * d_, vd = size_t(V_) * d_, xv = size_t(max_rows_) * V_;
-    const size_t sizes[7] = {3 * sizeof(float), xd, xd, vd, vd, xv, xv};
+    const size_t sizes[7] = {3 * kScaleSlot, xd, xd, vd, vd, xv, xv};
     size_t offsets[7], total = 0;
     for (int i = 0; i < 7; ++i) {
       offsets[i] = total;
       total += (sizes[i] + 255) / 256 * 256;
     }
     CUDA_CHECK(cudaMalloc(&storage_, total));
-    device_scales_ = reinterpret_cast<float*>(storage_ + offsets[0]);
     fp8** buffers[6] = {&x_f8_, &x_f8_t_, &w_f8_, &w_f8_t_, &g_f8_, &g_f8_t_};
     for (int i = 0; i < 6; ++i) *buffers[i] = storage_ + offsets[i + 1];
   }
@@ -251,6 +256,5 @@ class Fp8Head {
   bool weight_ready_ = false, gradient_ready_ = false, fused_gradient_ = true;
   Fp8HeadScales scales_;
   uint8_t* storage_ = nullptr;
-  float* device_scales_ = nullptr;  // [3]: x, w, grad
   fp8 *x_f8_ = nullptr, *x_f8_t_ = nullptr, *w_f8_ = nullptr, *w_f8_t_ = nullptr, *g_f8_ = nullptr, *g_f8_t_ = nullptr;
 };

@@ -257,16 +257,16 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("Building gpu_tests bench_kernels FAILED: the end of build.log says why.", report)
 
     def test_a_prebuilt_build_is_used_as_it_is(self):
-        status, report, output = self.acceptance("build", "tests", "self-check", gpus=1, ACCEPTANCE_PREBUILT="1")
+        status, report, output = self.acceptance("build", "tests", "self-check", gpus=1, SPEEDRUN_PREBUILT="1")
         self.assertEqual(status, 0, output)
-        self.assertIn("ACCEPTANCE_PREBUILT: build/ used as it is (gpu_tests bench_kernels not rebuilt).", report)
+        self.assertIn("SPEEDRUN_PREBUILT: build/ used as it is (gpu_tests bench_kernels not rebuilt).", report)
         self.assertNotIn("cmake --preset", self.commands())
         self.assertNotIn("cmake --build", self.commands())
         self.assertEqual(self.run_sh_calls()[0]["SPEEDRUN_TRAINER"], os.path.join(self.repo, "build", "train_gpt"))
         os.remove(os.path.join(self.repo, "build", "bench_kernels"))
-        status, report, _ = self.acceptance("bench", gpus=1, ACCEPTANCE_PREBUILT="1")
+        status, report, _ = self.acceptance("bench", gpus=1, SPEEDRUN_PREBUILT="1")
         self.assertEqual(status, 1)
-        self.assertIn("ACCEPTANCE_PREBUILT: build/ has no bench_kernels.", report)
+        self.assertIn("SPEEDRUN_PREBUILT: build/ has no bench_kernels.", report)
         self.assertIn("**bench: FAILED**", report)
 
     def test_a_trainer_without_the_self_check_is_reported_as_missing(self):

@@ -21,7 +21,7 @@
 # device tool's folder, whose files come back), the logs go there and the report is copied there
 # after every line; a later call on a bare machine continues the report when ACCEPTANCE_REPORT
 # names it and it was copied back into the tree.
-# ACCEPTANCE_PREBUILT=1: build/ was built elsewhere (same toolkit, same paths) and is used as it is:
+# SPEEDRUN_PREBUILT=1: build/ was built elsewhere (same toolkit, same paths) and is used as it is:
 # nothing is configured or built, so that a machine lent minutes at a time spends none compiling.
 # Exit status: 0 every phase passed, 1 one failed, 2 usage, 77 none failed but some had no GPU.
 # Usage: tools/acceptance.sh [build|tests|slow|smoke|self-check|bench|nccl]...
@@ -44,7 +44,7 @@ logs=${OUT:-${report%.md}}
 mkdir -p "$(dirname "$report")" "$logs"
 work=$(mktemp -d)
 # run.sh builds the trainer unless it is told which to run.
-[[ -n ${ACCEPTANCE_PREBUILT:-} ]] && export SPEEDRUN_TRAINER=$PWD/build/train_gpt
+[[ -n ${SPEEDRUN_PREBUILT:-} ]] && export SPEEDRUN_TRAINER=$PWD/build/train_gpt
 trap 'rm -rf "$work"' EXIT
 
 # The GPUs this process may use: CUDA_VISIBLE_DEVICES's list when it is set, else all that
@@ -93,13 +93,13 @@ need_gpu() {
 # build_targets <target...>: configures build/ when it is not, then builds the targets.
 build_targets() {
   local start=$SECONDS generator=() target
-  if [[ -n ${ACCEPTANCE_PREBUILT:-} ]]; then
+  if [[ -n ${SPEEDRUN_PREBUILT:-} ]]; then
     for target in "$@"; do
       [[ $target == *_tests || -x build/$target || -x build/tools/$target ]] && continue
-      say "ACCEPTANCE_PREBUILT: build/ has no $target."
+      say "SPEEDRUN_PREBUILT: build/ has no $target."
       return 1
     done
-    say "ACCEPTANCE_PREBUILT: build/ used as it is ($* not rebuilt)."
+    say "SPEEDRUN_PREBUILT: build/ used as it is ($* not rebuilt)."
     return 0
   fi
   if [[ ! -f build/CMakeCache.txt ]]; then

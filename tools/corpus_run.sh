@@ -11,8 +11,9 @@
 #                                   asks: M = 1, 860 iterations, validation of 10,485,760 tokens every
 #                                   125 steps; logs in logs/ (and $OUT/logs when set), then their
 #                                   statistics against TARGET (default 2.67, the corpus's stated target)
-# Builds build/train_gpt first when the machine starts bare. The corpus holds 876 M = 1 steps (109 at
-# M = 8): the loader must never cycle, so K and the iterations stay within that.
+# Builds build/train_gpt first (not with SPEEDRUN_PREBUILT=1: a build made elsewhere, used as it
+# is). The corpus holds 876 M = 1 steps (109 at M = 8): the loader must never cycle, so K and the
+# iterations stay within that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 staged=.carry/corpus
@@ -29,6 +30,10 @@ unpack() {
 
 build_trainer() {
   local generator=()
+  if [[ -n ${SPEEDRUN_PREBUILT:-} ]]; then  # built elsewhere: used as it is (tools/acceptance.sh)
+    [[ -x $trainer ]] || { echo "SPEEDRUN_PREBUILT: $trainer is missing" >&2; return 1; }
+    return 0
+  fi
   [[ ! -f build/CMakeCache.txt ]] && command -v ninja >/dev/null && generator=(-G Ninja)
   cmake --preset release "${generator[@]}" >/dev/null
   cmake --build build -j "$(nproc)" --target train_gpt >/dev/null

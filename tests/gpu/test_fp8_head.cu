@@ -486,6 +486,9 @@ TEST_CASE("refusals: rows the head cannot take, a loss or backward out of order,
   CHECK(throws([&] { matmul(x.get(), Transpose::N, w.get(), Transpose::T, dx.get(), 256, 256, 256, CUDA_R_16BF, e5m2_both, 0); }));
   MatmulOptions e4m3_both{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3};
   CHECK(throws([&] { matmul(x.get(), Transpose::N, w.get(), Transpose::N, dx.get(), 256, 256, 256, CUDA_R_16BF, e4m3_both, 0); }));
+  DeviceBuffer<float> scales(8);
+  MatmulOptions scale_off_16_bytes{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, scales.get(), scales.get() + 1};
+  CHECK(throws([&] { matmul(x.get(), Transpose::N, w.get(), Transpose::T, dx.get(), 256, 256, 256, CUDA_R_16BF, scale_off_16_bytes, 0); }));
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
