@@ -149,7 +149,8 @@ ctest_phase() {
   need_gpu || return 77
   build_targets "$1" || return 1
   shift
-  capture "$work/ctest.txt" ctest --test-dir build "$@" --output-on-failure --timeout 900
+  # Verbose: every test's own lines (its errors and margins) go to the phase's log, passed ones too.
+  capture "$work/ctest.txt" ctest --test-dir build "$@" --verbose --timeout 900
   local status=$?
   say "" "| test | result | time |" "|---|---|---|"
   say "$(sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*(\*\*\*| +)(.*[^ ]) +([0-9.]+) sec$/| \1 | \3 | \4 s |/p' "$work/ctest.txt")"

@@ -2,7 +2,9 @@
 // vocab 50,304). Measures the ceilings first in the same run (device-to-device copy bandwidth,
 // large cuBLASLt bf16 and FP8 matmuls), then prints per kernel: median time, achieved TB/s or
 // TFLOP/s, and the fraction of the measured ceiling (FP8 products: of the FP8 one). Usage:
-// bench_kernels [repeats], from the repository root (attention reads the documents of data/sample/).
+// bench_kernels [repeats] [section...], from the repository root (attention reads the documents of
+// data/sample/); sections: matmul, fp8, muon, memory, attention (none named: all, in this order).
+// Each row is printed as it is measured, so that a run stopped early keeps its rows.
 #include "data/dataloader.h"
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
@@ -20,6 +22,7 @@
 #include <cstdlib>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -50,15 +53,25 @@ float median_ms(const std::function<void()>& fn) {
   return ms[ms.size() / 2];
 }
 
+// N(0, scale^2) by Box-Muller from a counter hash (splitmix64) of (seed, i): on the device, since
+// the record's logits alone are 2.5e9 values, a minute of host generation.
+__global__ void fill_normal_kernel(bf16* out, size_t n, float scale, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t h = seed * 0x9E3779B97F4A7C15ull + i;
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+    h ^= h >> 31;
+    const float u1 = float((h >> 40) + 1) * 0x1p-24f, u2 = float(h & 0xFFFFFF) * 0x1p-24f;  // (0, 1], [0, 1)
+    out[i] = __float2bfloat16(scale * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+  }
+}
+
 // A device buffer of n bf16 values drawn from N(0, scale^2): never zeros.
 bf16* random_bf16(size_t n, float scale, uint64_t seed) {
-  std::vector<bf16> host(n);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, scale);
-  for (bf16& x : host) x = __float2bfloat16(normal(rng));
   bf16* d = nullptr;
   CUDA_CHECK(cudaMalloc(&d, n * sizeof(bf16)));
-  CUDA_CHECK(cudaMemcpy(d, host.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+  fill_normal_kernel<<<1024, 256>>>(d, n, scale, seed);
+  CUDA_CHECK_LAUNCH();
   return d;
 }
 
@@ -296,7 +309,17 @@ void bench_attention(const Peaks& peaks) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc > 1) g_repeats = std::max(1, std::atoi(argv[1]));
+  const std::vector<std::string> all = {"matmul", "fp8", "muon", "memory", "attention"};
+  std::vector<std::string> sections(argv + std::min(argc, 2), argv + argc);
+  for (const std::string& section : sections)
+    if (std::find(all.begin(), all.end(), section) == all.end()) {
+      std::fprintf(stderr, "error: unknown section '%s' (matmul, fp8, muon, memory, attention)\n", section.c_str());
+      return 2;
+    }
+  if (sections.empty()) sections = all;
+  auto wanted = [&](const char* section) { return std::find(sections.begin(), sections.end(), section) != sections.end(); };
   try {
     require_hopper_gpu(0);
     cudaDeviceProp prop{};
@@ -305,11 +328,11 @@ int main(int argc, char** argv) {
     std::printf("| %-38s | %8s | %-15s | %6s |\n|---|---|---|---|\n", "kernel", "ms", "achieved", "of peak");
     Matmul matmul;
     Peaks peaks = measure_peaks(matmul);
-    bench_matmuls(matmul, peaks);
-    bench_fp8_head(matmul, peaks);
-    bench_muon(matmul, peaks);
-    bench_memory_bound(peaks);
-    bench_attention(peaks);
+    if (wanted("matmul")) bench_matmuls(matmul, peaks);
+    if (wanted("fp8")) bench_fp8_head(matmul, peaks);
+    if (wanted("muon")) bench_muon(matmul, peaks);
+    if (wanted("memory")) bench_memory_bound(peaks);
+    if (wanted("attention")) bench_attention(peaks);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

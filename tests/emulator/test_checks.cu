@@ -4,9 +4,12 @@
 //   store8) or a cp.async at an address that is not a multiple of its size stops the program with
 //   "misaligned address" and what was accessed; at an aligned address it runs;
 // - static __shared__ variables hold poison as each block starts, and together with the dynamic
-//   shared memory they must fit the GPU's limits.
+//   shared memory they must fit the GPU's limits;
+// - cuBLASLt answers "not supported" to an FP8 product whose scale pointer is off a 16-byte
+//   boundary, as cuBLASLt 13.1 did on an H200 (its heuristic had offered an algorithm).
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
+#include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/ptx.cuh"
 
@@ -160,3 +163,58 @@ TEST_CASE("32 KiB of static shared memory beside 20 KiB of dynamic (52 of the 48
 }
 
 int main(int argc, char** argv) { return check::run_checks(argc, argv); }
+
+TEST_CASE("an FP8 product with a scale pointer 4 or 8 bytes off a 16-byte boundary is not supported") {
+  const int n = 16;  // C[n, n] = A^T B, both stored [k = n, n] column-major: FP8's "TN"
+  Buffers b;
+  void *operands = nullptr, *out = nullptr;
+  CUDA_CHECK(cudaMalloc(&operands, 2 * n * n));
+  CUDA_CHECK(cudaMemset(operands, 0x38, 2 * n * n));  // e4m3 1.0
+  CUDA_CHECK(cudaMalloc(&out, n * n * sizeof(float)));
+  const float ones[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                          1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  CUDA_CHECK(cudaMemcpy(b.in, ones, sizeof ones, cudaMemcpyHostToDevice));
+  cublasLtHandle_t handle;
+  CUBLAS_CHECK(cublasLtCreate(&handle));
+  auto product = [&](size_t scale_offset) {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, c;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t t = CUBLAS_OP_T, none = CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof none));
+    const float *a_scale = b.at<float>(0), *b_scale = b.at<float>(scale_offset);
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof a_scale));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof b_scale));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, n, n, n));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, n, n, n));
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc, a, a, c, c, pref, 1, &result, &found));
+    CHECK(found == 1);
+    const float alpha = 1.0f, beta = 0.0f;
+    const char* first = static_cast<const char*>(operands);
+    const cublasStatus_t status = cublasLtMatmul(handle, desc, &alpha, first, a, first + n * n, a, &beta, out, c, out,
+                                                 c, &result.algo, nullptr, 0, nullptr);
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(a);
+    cublasLtMatrixLayoutDestroy(c);
+    cublasLtMatmulDescDestroy(desc);
+    return status;
+  };
+  for (size_t offset : {4, 8}) {
+    const cublasStatus_t status = product(offset);
+    std::printf("  scale at +%zu bytes: %s\n", offset, cublasGetStatusString(status));
+    CHECK(status == CUBLAS_STATUS_NOT_SUPPORTED);
+  }
+  CHECK(product(16) == CUBLAS_STATUS_SUCCESS);
+  CHECK(product(64) == CUBLAS_STATUS_SUCCESS);
+  float c00 = 0;
+  CUDA_CHECK(cudaMemcpy(&c00, out, sizeof c00, cudaMemcpyDeviceToHost));
+  CHECK(c00 == float(n));  // 16 products of 1 x 1
+  cublasLtDestroy(handle);
+  cudaFree(operands);
+  cudaFree(out);
+}
