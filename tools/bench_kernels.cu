@@ -3,7 +3,8 @@
 // large cuBLASLt bf16 and FP8 matmuls), then prints per kernel: median time, achieved TB/s or
 // TFLOP/s, and the fraction of the measured ceiling (FP8 products: of the FP8 one). Usage:
 // bench_kernels [repeats] [section...], from the repository root (attention reads the documents of
-// data/sample/); sections: matmul, fp8, muon, memory, attention (none named: all, in this order).
+// data/sample/); sections: matmul, fp8, muon, rekls, memory, attention (none named: all, in this
+// order).
 // Each row is printed as it is measured, so that a run stopped early keeps its rows.
 #include "data/dataloader.h"
 #include "kernels/activations.cuh"
@@ -15,6 +16,7 @@
 #include "kernels/muon.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
+#include "kernels/rekls.cuh"
 #include "kernels/rope.cuh"
 
 #include <algorithm>
@@ -203,6 +205,45 @@ void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
     cudaFree(p);
 }
 
+// One REKLS step of one matrix of each hidden shape [m, n] (kernels/rekls.cuh), with its eigenbases
+// refreshed (REKLS's default, every step: 12 fp32 products and two syevd) and kept (8 products),
+// beside the Muon rows; then the model's 68 hidden matrices on one rank (44 of [768, 768]: qkv as
+// three and attn proj, 11 layers; 24 of [3072, 768] or its transpose: mlp fc and proj, 12 layers),
+// summed from the rows. The FLOPs are the products' (each 2 m n times m or n; syevd's not
+// counted), in fp32 without tensor cores: the "of peak" column, against bf16's, says little.
+void bench_rekls(Matmul& matmul, const Peaks& peaks) {
+  const std::vector<std::pair<int, int>> shapes = {{D, D}, {F, D}};
+  Rekls rekls(shapes);
+  double model_refreshed = 0, model_kept = 0;
+  for (const auto& shape : shapes) {
+    const int m = shape.first, n = shape.second;
+    const size_t mn = size_t(m) * n;
+    bf16* init = random_bf16(2 * mn, 1.0f, 18);
+    float *p = device_alloc<float>(mn), *g = device_alloc<float>(mn), *state = device_alloc<float>(ReklsBuffers::elems(m, n));
+    convert(init, p, mn, 0);
+    convert(init + mn, g, mn, 0);
+    rekls_reset_state(state, m, n, 0);
+    const std::vector<ReklsMatrix> matrix = {{p, g, state}};
+    ReklsSettings refreshed, kept;
+    kept.eigenbasis_every = 1 << 30;  // step t > 1: (t - 1) % every != 0, the basis kept
+    rekls.update(matrix, m, n, refreshed, {1e-3f, 1, 1.0f}, matmul, 0);  // a first step fills the factors
+    const double products = 2.0 * mn * (m + n);  // one product's FLOPs is 2 m n (m or n)
+    char name[96];
+    std::snprintf(name, sizeof name, "rekls step [%d, %d], bases refreshed", m, n);
+    const float refreshed_ms = median_ms([&] { rekls.update(matrix, m, n, refreshed, {1e-3f, 2, 1.0f}, matmul, 0); });
+    row(name, refreshed_ms, 0, 6 * products, peaks);
+    std::snprintf(name, sizeof name, "rekls step [%d, %d], bases kept", m, n);
+    const float kept_ms = median_ms([&] { rekls.update(matrix, m, n, kept, {1e-3f, 2, 1.0f}, matmul, 0); });
+    row(name, kept_ms, 0, 4 * products, peaks);
+    const int count = m == n ? 44 : 24;
+    model_refreshed += count * refreshed_ms;
+    model_kept += count * kept_ms;
+    for (void* b : {(void*)init, (void*)p, (void*)g, (void*)state}) cudaFree(b);
+  }
+  std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 hidden matrices, refreshed", model_refreshed, "sum of rows", "");
+  std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 hidden matrices, kept", model_kept, "sum of rows", "");
+}
+
 // Muon's update of a whole shape group on one rank (W = 1 owns all of it): momentum, the batched
 // Newton-Schulz iteration, the apply. FLOPs are the iteration's matmuls.
 void bench_muon(Matmul& matmul, const Peaks& peaks) {
@@ -311,11 +352,11 @@ void bench_attention(const Peaks& peaks) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc > 1) g_repeats = std::max(1, std::atoi(argv[1]));
-  const std::vector<std::string> all = {"matmul", "fp8", "muon", "memory", "attention"};
+  const std::vector<std::string> all = {"matmul", "fp8", "muon", "rekls", "memory", "attention"};
   std::vector<std::string> sections(argv + std::min(argc, 2), argv + argc);
   for (const std::string& section : sections)
     if (std::find(all.begin(), all.end(), section) == all.end()) {
-      std::fprintf(stderr, "error: unknown section '%s' (matmul, fp8, muon, memory, attention)\n", section.c_str());
+      std::fprintf(stderr, "error: unknown section '%s' (matmul, fp8, muon, rekls, memory, attention)\n", section.c_str());
       return 2;
     }
   if (sections.empty()) sections = all;
@@ -331,6 +372,7 @@ int main(int argc, char** argv) {
     if (wanted("matmul")) bench_matmuls(matmul, peaks);
     if (wanted("fp8")) bench_fp8_head(matmul, peaks);
     if (wanted("muon")) bench_muon(matmul, peaks);
+    if (wanted("rekls")) bench_rekls(matmul, peaks);
     if (wanted("memory")) bench_memory_bound(peaks);
     if (wanted("attention")) bench_attention(peaks);
   } catch (const std::exception& e) {
