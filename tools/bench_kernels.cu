@@ -356,7 +356,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> sections(argv + std::min(argc, 2), argv + argc);
   for (const std::string& section : sections)
     if (std::find(all.begin(), all.end(), section) == all.end()) {
-      std::fprintf(stderr, "error: unknown section '%s' (matmul, fp8, muon, rekls, memory, attention)\n", section.c_str());
+      std::string known;
+      for (const std::string& name : all) known += (known.empty() ? "" : ", ") + name;
+      std::fprintf(stderr, "error: unknown section '%s' (%s)\n", section.c_str(), known.c_str());
       return 2;
     }
   if (sections.empty()) sections = all;

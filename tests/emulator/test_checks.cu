@@ -20,6 +20,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -162,8 +163,6 @@ TEST_CASE("32 KiB of static shared memory beside 20 KiB of dynamic (52 of the 48
                 16 << 10);
 }
 
-int main(int argc, char** argv) { return check::run_checks(argc, argv); }
-
 TEST_CASE("an FP8 product with a scale pointer 4 or 8 bytes off a 16-byte boundary is not supported") {
   const int n = 16;  // C[n, n] = A^T B, both stored [k = n, n] column-major: FP8's "TN"
   Buffers b;
@@ -171,9 +170,8 @@ TEST_CASE("an FP8 product with a scale pointer 4 or 8 bytes off a 16-byte bounda
   CUDA_CHECK(cudaMalloc(&operands, 2 * n * n));
   CUDA_CHECK(cudaMemset(operands, 0x38, 2 * n * n));  // e4m3 1.0
   CUDA_CHECK(cudaMalloc(&out, n * n * sizeof(float)));
-  const float ones[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                          1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-  CUDA_CHECK(cudaMemcpy(b.in, ones, sizeof ones, cudaMemcpyHostToDevice));
+  const std::vector<float> ones(64, 1.0f);  // the scales, anywhere in the 256 bytes
+  CUDA_CHECK(cudaMemcpy(b.in, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
   cublasLtHandle_t handle;
   CUBLAS_CHECK(cublasLtCreate(&handle));
   auto product = [&](size_t scale_offset) {
@@ -218,3 +216,5 @@ TEST_CASE("an FP8 product with a scale pointer 4 or 8 bytes off a 16-byte bounda
   cudaFree(operands);
   cudaFree(out);
 }
+
+int main(int argc, char** argv) { return check::run_checks(argc, argv); }
