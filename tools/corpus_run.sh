@@ -7,10 +7,13 @@
 #                                   one-rank NCCL communicator) over the window schedule of a K-step
 #                                   run (default 20), tokens/s and MFU, as a table; then where step 5
 #                                   of the M = 8 run spent its time (its timeline, also into $OUT)
-#   tools/corpus_run.sh full [N]    there: N (default 1) runs of the recipe on one GPU as the issue
+#   tools/corpus_run.sh full [N] [flag...]
+#                                   there: N (default 1) runs of the recipe on one GPU as the issue
 #                                   asks: M = 1, 860 iterations, validation of 10,485,760 tokens every
-#                                   125 steps; logs in logs/ (and $OUT/logs when set), then their
-#                                   statistics against TARGET (default 2.67, the corpus's stated target)
+#                                   125 steps, the trainer's flags given after N added (e.g.
+#                                   --matrix-optimizer rekls); logs in logs/ (and $OUT/logs when set),
+#                                   then their statistics against TARGET (default 2.67, the corpus's
+#                                   stated target)
 # Builds build/train_gpt first (not with SPEEDRUN_PREBUILT=1: a build made elsewhere, used as it
 # is). The corpus holds 876 M = 1 steps (109 at M = 8): the loader must never cycle, so K and the
 # iterations stay within that.
@@ -77,11 +80,12 @@ steps() {
 
 full() {
   local runs=${1:-1} before
+  shift || true
   mkdir -p logs
   before=$(ls logs)
   for ((i = 0; i < runs; ++i)); do
     "$trainer" "${data_flags[@]}" --micro-batches 1 --num-iterations 860 --val-every 125 \
-      --checkpoint-dir "$(mktemp -d)" --log-dir logs
+      --checkpoint-dir "$(mktemp -d)" --log-dir logs "$@"
   done
   local new=()
   for f in logs/*.txt; do grep -qxF "$(basename "$f")" <<<"$before" || new+=("$f"); done
@@ -96,6 +100,6 @@ case ${1:-} in
     du -sh "$staged"
     ;;
   steps) unpack && build_trainer && steps "${2:-20}" ;;
-  full) unpack && build_trainer && full "${2:-1}" ;;
-  *) sed -n "2,14p" "$0" >&2; exit 2 ;;
+  full) unpack && build_trainer && full "${@:2}" ;;
+  *) sed -n "2,19p" "$0" >&2; exit 2 ;;
 esac
