@@ -1,15 +1,18 @@
 // cuSOLVER's dense symmetric eigensolver (cusolverDnXsyevd, the 64-bit API) on the CPU, with the
 // library's conventions: column-major A of which only the `uplo` triangle is read, eigenvalues
 // ascending in W, the eigenvectors overwriting A column by column, the workspace sizes asked for
-// first and held to, *info 0. The decomposition is the CPU reference's Jacobi in double
-// (tests/reference/eigen.h), rounded to the data type. Other data types or modes are refused as
-// the library refuses them (CUSOLVER_STATUS_INVALID_VALUE / NOT_SUPPORTED).
+// first and held to, *info 0, or positive when the iteration does not converge (a non-finite A).
+// The decomposition is the CPU reference's (tests/reference/eigen.h: Householder, then implicit
+// QL) in the data type's own arithmetic, so that an fp32 solve rounds as the library's does.
+// Other data types or modes are refused as the library refuses them
+// (CUSOLVER_STATUS_INVALID_VALUE / NOT_SUPPORTED).
 #include "emulator/cuda_emulator.h"
 #include "reference/eigen.h"
 
 #include <cusolverDn.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 struct cusolverDnContext {
@@ -38,12 +41,23 @@ cusolverStatus_t check(cusolverDnHandle_t handle, cusolverEigMode_t jobz, cublas
   return CUSOLVER_STATUS_SUCCESS;
 }
 
-double load(const void* base, cudaDataType type, size_t i) {
-  return type == CUDA_R_64F ? static_cast<const double*>(base)[i] : static_cast<const float*>(base)[i];
-}
-void store(void* base, cudaDataType type, size_t i, double v) {
-  if (type == CUDA_R_64F) static_cast<double*>(base)[i] = v;
-  else static_cast<float*>(base)[i] = float(v);
+// The decomposition of the `uplo` triangle of column-major A [k, k] in the arithmetic of Real: the
+// eigenvalues into W, ascending, and the eigenvectors over A when asked for.
+template <typename Real>
+void decompose(cusolverEigMode_t jobz, cublasFillMode_t uplo, int k, Real* A, int64_t lda, Real* W) {
+  std::vector<Real> a(size_t(k) * k);  // row-major, symmetric, from the `uplo` triangle only
+  for (int col = 0; col < k; ++col)
+    for (int row = 0; row < k; ++row) {
+      const bool stored = uplo == CUBLAS_FILL_MODE_LOWER ? row >= col : row <= col;
+      a[size_t(row) * k + col] = stored ? A[size_t(row) + size_t(col) * lda] : A[size_t(col) + size_t(row) * lda];
+    }
+  std::vector<Real> values, vectors;
+  symmetric_eigen(a, k, values, vectors);
+  for (int j = 0; j < k; ++j) {
+    W[j] = values[j];
+    if (jobz == CUSOLVER_EIG_MODE_VECTOR)
+      for (int i = 0; i < k; ++i) A[size_t(i) + size_t(j) * lda] = vectors[size_t(i) * k + j];
+  }
 }
 
 }  // namespace
@@ -90,22 +104,14 @@ cusolverStatus_t cusolverDnXsyevd(cusolverDnHandle_t handle, cusolverDnParams_t,
   workspace_bytes(n, a_type, &need_device, &need_host);
   if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
     return CUSOLVER_STATUS_INVALID_VALUE;
-  const int k = int(n);
-  std::vector<double> a(size_t(k) * k);  // row-major, symmetric, from the `uplo` triangle only
-  for (int col = 0; col < k; ++col)
-    for (int row = 0; row < k; ++row) {
-      const bool stored = uplo == CUBLAS_FILL_MODE_LOWER ? row >= col : row <= col;
-      const double v = stored ? load(A, a_type, size_t(row) + size_t(col) * lda)
-                              : load(A, a_type, size_t(col) + size_t(row) * lda);
-      a[size_t(row) * k + col] = v;
-    }
-  std::vector<double> values, vectors;
-  symmetric_eigen(a, k, values, vectors);
-  for (int j = 0; j < k; ++j) {
-    store(W, w_type, j, values[j]);
-    if (jobz == CUSOLVER_EIG_MODE_VECTOR)
-      for (int i = 0; i < k; ++i) store(A, a_type, size_t(i) + size_t(j) * lda, vectors[size_t(i) * k + j]);
+  try {
+    if (a_type == CUDA_R_64F)
+      decompose(jobz, uplo, int(n), static_cast<double*>(A), lda, static_cast<double*>(W));
+    else
+      decompose(jobz, uplo, int(n), static_cast<float*>(A), lda, static_cast<float*>(W));
+    *info = 0;
+  } catch (const std::runtime_error&) {  // the QL iteration did not converge (a non-finite A)
+    *info = 1;                           // LAPACK's convention: info > 0, the call itself succeeds
   }
-  *info = 0;
   return CUSOLVER_STATUS_SUCCESS;
 }

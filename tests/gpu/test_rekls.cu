@@ -9,11 +9,11 @@
 // gradient is diagonal, G's singular values) come out as rounding / (|rounding| + eps), fp32's and
 // fp64's rounding differing, a difference proportional to the gradients while rounding << eps: at
 // 1e-3 a 1e-2 difference of the first update (emulator), the algorithm's own sensitivity in fp32,
-// not the kernels'. cuSOLVER's fp32 syevd on an H200 rounds more than the emulator's stand-in (the
-// reference's solver in double, rounded to fp32): at gradients of 1e-6 the change differed from
-// the reference by 1.2e-3 (16 x 56), 1.8e-3 (24 x 24, 2 steps) and 0.11 (768 x 768, 1 step); at
-// 1e-8 by at most 2.2e-4 (768 x 768, 2 steps; 1.7e-3 after its first step alone), the factors by
-// 7e-7 (docs/PERF.md, 2026-11-26). Non-square matrices run
+// not the kernels'. cuSOLVER's fp32 syevd rounds so that on an H200 at gradients of 1e-6 the
+// change differed from the reference by 1.2e-3 (16 x 56), 1.8e-3 (24 x 24, 2 steps) and 0.11
+// (768 x 768, 1 step), as the emulator's fp32 stand-in does (1.5e-3 at 48 x 48, 2.1e-3 at
+// 16 x 56); at 1e-8 by at most 2.2e-4 on an H200 and an H100 (768 x 768, 2 steps; 1.7e-3 after
+// its first step alone), the factors by 7e-7 (docs/PERF.md, 2026-11-26). Non-square matrices run
 // one step: the larger factor then has a null space (rank min(m, n)) whose eigenvalues later steps
 // fill at the factor's fp32 resolution, eigenvectors that no two solvers share (3e-3 at 4 steps).
 #include "gpu/gpu_test.h"
