@@ -81,6 +81,7 @@ struct Hyperparameters {
   double rekls_lr = 0.005, rekls_beta1 = 0.9, rekls_beta2 = 0.95, rekls_shampoo_beta = 0.95, rekls_eps = 1e-8;
   double rekls_weight_decay = 0.01;
   int rekls_eigenbasis_every = 1;   // steps between eigendecompositions (1: REKLS's every step)
+  std::string rekls_eigensolver = "syevd";  // syevd (a factor at a time) or batched (syevBatched)
   // run
   uint64_t seed = 0;                // 0: a fresh random seed, logged (record runs are independent)
   int checkpoint_every = 0;         // 0: a checkpoint at the end only
@@ -196,6 +197,9 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "non-negative"},
       {"rekls-eigenbasis-every", &h.rekls_eigenbasis_every, "REKLS steps between eigendecompositions (1: every step)",
        positive(&h.rekls_eigenbasis_every), "positive"},
+      {"rekls-eigensolver", &h.rekls_eigensolver,
+       "REKLS eigendecompositions: syevd (a factor at a time) or batched (syevBatched per factor size)",
+       one_of(&h.rekls_eigensolver, {"syevd", "batched"}), "syevd or batched"},
       {"seed", &h.seed, "initialisation seed (0: a fresh one per run, logged)", nullptr, ""},
       {"checkpoint-every", &h.checkpoint_every, "steps between checkpoints (0: at the end only)",
        non_negative(&h.checkpoint_every), "non-negative"},
@@ -652,12 +656,13 @@ inline std::string resume_flags(const Hyperparameters& h, int world_size) {
       "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
       "muon-momentum-warmup", "bf16-head", "grad-comm"};
   // DiLoCo's and REKLS's only where they are on, so that a checkpoint of a run without them reads as
-  // before (where DiLoCo's copies live changes no state)
+  // before (where DiLoCo's copies live, or which solver decomposes REKLS's factors, changes no state)
   const bool diloco = h.diloco_groups > 1, rekls = h.matrix_optimizer == "rekls";
   return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [diloco, rekls](const std::string& name) {
            return std::find(std::begin(names), std::end(names), name) != std::end(names) ||
                   (diloco && name.rfind("diloco-", 0) == 0 && name != "diloco-host-copies") ||
-                  (rekls && (name == "matrix-optimizer" || name.rfind("rekls-", 0) == 0));
+                  (rekls && (name == "matrix-optimizer" ||
+                             (name.rfind("rekls-", 0) == 0 && name != "rekls-eigensolver")));
          });
 }
 
@@ -1587,8 +1592,14 @@ class Optimizers {
       }
     }
     if (rekls_) {
-      const ReklsSettings settings{float(h_.rekls_beta1), float(h_.rekls_beta2), float(h_.rekls_shampoo_beta),
-                                   float(h_.rekls_eps), float(h_.rekls_weight_decay), h_.rekls_eigenbasis_every};
+      const ReklsSettings settings{float(h_.rekls_beta1),
+                                   float(h_.rekls_beta2),
+                                   float(h_.rekls_shampoo_beta),
+                                   float(h_.rekls_eps),
+                                   float(h_.rekls_weight_decay),
+                                   h_.rekls_eigenbasis_every,
+                                   h_.rekls_eigensolver == "batched" ? ReklsEigensolver::batched
+                                                                    : ReklsEigensolver::syevd};
       const ReklsStep s{float(h_.rekls_lr * schedule_.lr_factor(step)), adam_steps_, grad_scale};
       rekls_->update(rekls, rows, cols, settings, s, matmul_, stream);
       return;

@@ -1,6 +1,7 @@
-// REKLS on the GPU for one matrix P [m, n] at a time: the KL-Shampoo Kronecker factors L [m, m]
-// and R [n, n], their eigenbases Q_L, Q_R and eigenvalues from cuSOLVER's syevd in fp32, and
-// Adam's moments M, V [m, n] in the rotated basis. The equations, with the lines of NVIDIA's
+// REKLS on the GPU for the matrices P [m, n] of one shape: the KL-Shampoo Kronecker factors
+// L [m, m] and R [n, n], their eigenbases Q_L, Q_R and eigenvalues from cuSOLVER in fp32 (syevd one
+// factor at a time, or syevBatched over all of a size at once), and Adam's moments M, V [m, n] in
+// the rotated basis. The equations, with the lines of NVIDIA's
 // implementation they come from, are in the CPU reference (tests/reference/rekls.h), which the
 // GPU test compares against. Every product is an fp32 cuBLASLt matmul (no TF32): the factors
 // span ~1e8 after the first step's clamped eigenvalues, and the eigenbasis needs their low bits.
@@ -18,11 +19,17 @@
 #include <utility>
 #include <vector>
 
+// How a refresh decomposes the factors: cuSOLVER's syevd one factor at a time (its info read back
+// after each), or syevBatched once per factor size over the matrices of an update (one read back).
+// The same mathematics; which is faster is the benchmark's to say (bench_kernels rekls).
+enum class ReklsEigensolver { syevd, batched };
+
 // Defaults of NVIDIA's REKLS (legacy_soap/rekls.py:41-44) but the learning rate, which it leaves
 // to the caller; eigenbasis_every 1 is REKLS's every-step refresh.
 struct ReklsSettings {
   float beta1 = 0.9f, beta2 = 0.95f, shampoo_beta = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
   int eigenbasis_every = 1;
+  ReklsEigensolver eigensolver = ReklsEigensolver::syevd;
 };
 
 // One step: learning rate (schedule applied), 1-based step count, and 1 / M for the summed gradient.
@@ -150,7 +157,7 @@ class Rekls {
   }
   ~Rekls() {
     for (void* p : {(void*)g_, (void*)x_, (void*)y_, (void*)t_, (void*)vectors_, (void*)values_, (void*)info_,
-                    solver_device_})
+                    solver_device_, (void*)batch_.a, (void*)batch_.w, (void*)batch_.info, batch_.device})
       cudaFree(p);
     cusolverDnDestroyParams(params_);
     cusolverDnDestroy(solver_);
@@ -158,89 +165,210 @@ class Rekls {
   Rekls(const Rekls&) = delete;
   Rekls& operator=(const Rekls&) = delete;
 
-  // One REKLS step of each matrix [m, n] (see tests/reference/rekls.h for the equations).
+  // One REKLS step of each matrix [m, n] (see tests/reference/rekls.h for the equations). With the
+  // batched eigensolver a refresh runs in three passes (every matrix's factors and its M out of the
+  // old basis, the decompositions, every matrix's rest); each matrix's arithmetic is the same.
   void update(const std::vector<ReklsMatrix>& matrices, int m, int n, const ReklsSettings& cfg, const ReklsStep& step,
               Matmul& matmul, cudaStream_t stream) {
-    for (const ReklsMatrix& x : matrices) update_one(x, m, n, cfg, step, matmul, stream);
+    matmul_ = &matmul;
+    stream_ = stream;
+    const bool refresh = (step.t - 1) % cfg.eigenbasis_every == 0;  // soap.py:440-458
+    if (refresh && cfg.eigensolver == ReklsEigensolver::batched) {
+      std::vector<Factor> left, right;
+      for (const ReklsMatrix& x : matrices) {
+        const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
+        update_factors(x, m, n, cfg, step);
+        rotate_moment_out(s, m, n);
+        left.push_back({s.L, s.QL, s.lam_L});
+        right.push_back({s.R, s.QR, s.lam_R});
+      }
+      if (m == n) left.insert(left.end(), right.begin(), right.end());
+      eigenbases_batched(left, m);
+      if (m != n) eigenbases_batched(right, n);
+      for (const ReklsMatrix& x : matrices) {
+        rotate_moment_in(ReklsBuffers::at(x.state, m, n), m, n);
+        rotated_adam_step(x, m, n, cfg, step);
+      }
+      return;
+    }
+    for (const ReklsMatrix& x : matrices) {
+      const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
+      update_factors(x, m, n, cfg, step);
+      if (refresh) {
+        rotate_moment_out(s, m, n);
+        eigenbasis(s.L, m, s.QL, s.lam_L);
+        eigenbasis(s.R, n, s.QR, s.lam_R);
+        rotate_moment_in(s, m, n);
+      }
+      rotated_adam_step(x, m, n, cfg, step);
+    }
   }
 
  private:
-  void update_one(const ReklsMatrix& x, int m, int n, const ReklsSettings& cfg, const ReklsStep& step, Matmul& matmul,
-                  cudaStream_t stream) {
+  // A symmetric factor [k, k] and where its eigenbasis and eigenvalues go.
+  struct Factor {
+    const float* factor;
+    float* Q;
+    float* lam;
+  };
+
+  // fp32 products: C[M, N] = alpha op(A) op(B) + beta C
+  void product(const float* A, Transpose ta, const float* B, Transpose tb, float* C, int M, int N, int K,
+               float alpha = 1.0f, float beta = 0.0f) {
+    MatmulOptions o;
+    o.a_type = o.b_type = CUDA_R_32F;
+    (*matmul_)(A, ta, B, tb, C, M, N, K, CUDA_R_32F, o, stream_, alpha, beta);
+  }
+
+  // g_ = the summed gradient times grad_scale: G
+  void scaled_gradient(const ReklsMatrix& x, size_t mn, float grad_scale) {
+    rekls_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x.g, g_, mn, grad_scale);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  // The factors, with the previous bases (soap.py:372-387): L <- b L + (1 - b) (G Q_R) S_R (G Q_R)^T,
+  // R <- b R + (1 - b) (Q_L^T G)^T S_L (Q_L^T G), S = diag(max(lam, eps)^-1) / dim.
+  void update_factors(const ReklsMatrix& x, int m, int n, const ReklsSettings& cfg, const ReklsStep& step) {
     const size_t mn = size_t(m) * n;
     const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
+    scaled_gradient(x, mn, step.grad_scale);
     const double t = double(step.t);
-    // fp32 products: C[M, N] = alpha op(A) op(B) + beta C
-    auto product = [&](const float* A, Transpose ta, const float* B, Transpose tb, float* C, int M, int N, int K,
-                       float alpha = 1.0f, float beta = 0.0f) {
-      MatmulOptions o;
-      o.a_type = o.b_type = CUDA_R_32F;
-      matmul(A, ta, B, tb, C, M, N, K, CUDA_R_32F, o, stream, alpha, beta);
-    };
-    rekls_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x.g, g_, mn, step.grad_scale);  // G
-    CUDA_CHECK_LAUNCH();
-
-    // The factors, with the previous bases (soap.py:372-387): L <- b L + (1 - b) (G Q_R) S_R (G Q_R)^T,
-    // R <- b R + (1 - b) (Q_L^T G)^T S_L (Q_L^T G), S = diag(max(lam, eps)^-1) / dim.
     const float b = float(1 - (1 - double(cfg.shampoo_beta)) / (1 - std::pow(double(cfg.shampoo_beta), t)));
     product(g_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);  // X = G Q_R
-    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, y_, m, n, s.lam_R, false, float(n), cfg.eps);
+    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x_, y_, m, n, s.lam_R, false, float(n), cfg.eps);
     CUDA_CHECK_LAUNCH();
     product(y_, Transpose::N, x_, Transpose::T, s.L, m, m, n, 1 - b, b);
     product(s.QL, Transpose::T, g_, Transpose::N, x_, m, n, m);  // X = Q_L^T G
-    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, y_, m, n, s.lam_L, true, float(m), cfg.eps);
+    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x_, y_, m, n, s.lam_L, true, float(m), cfg.eps);
     CUDA_CHECK_LAUNCH();
     product(x_, Transpose::T, y_, Transpose::N, s.R, n, n, m, 1 - b, b);
+  }
 
-    if ((step.t - 1) % cfg.eigenbasis_every == 0) {  // soap.py:440-458
-      product(s.M, Transpose::N, s.QR, Transpose::T, t_, m, n, n);  // M out of the old basis
-      product(s.QL, Transpose::N, t_, Transpose::N, s.M, m, n, m);
-      eigenbasis(s.L, m, s.QL, s.lam_L, stream);
-      eigenbasis(s.R, n, s.QR, s.lam_R, stream);
-      product(s.QL, Transpose::T, s.M, Transpose::N, t_, m, n, m);  // and into the new one
-      product(t_, Transpose::N, s.QR, Transpose::N, s.M, m, n, n);
-    }
+  // On a refresh, M out of the old basis before the decompositions and into the new one after.
+  void rotate_moment_out(const ReklsBuffers& s, int m, int n) {
+    product(s.M, Transpose::N, s.QR, Transpose::T, t_, m, n, n);
+    product(s.QL, Transpose::N, t_, Transpose::N, s.M, m, n, m);
+  }
+  void rotate_moment_in(const ReklsBuffers& s, int m, int n) {
+    product(s.QL, Transpose::T, s.M, Transpose::N, t_, m, n, m);
+    product(t_, Transpose::N, s.QR, Transpose::N, s.M, m, n, n);
+  }
 
-    product(s.QL, Transpose::T, g_, Transpose::N, t_, m, n, m);  // G' = Q_L^T G Q_R
+  // Adam in the rotated basis and the update rotated back: G' = Q_L^T G Q_R, U = Adam(G'),
+  // p <- p - lr wd p - lr Q_L U Q_R^T.
+  void rotated_adam_step(const ReklsMatrix& x, int m, int n, const ReklsSettings& cfg, const ReklsStep& step) {
+    const size_t mn = size_t(m) * n;
+    const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
+    scaled_gradient(x, mn, step.grad_scale);
+    product(s.QL, Transpose::T, g_, Transpose::N, t_, m, n, m);
     product(t_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);
+    const double t = double(step.t);
     const float bias1 = float(1 - std::pow(double(cfg.beta1), t)), bias2 = float(1 - std::pow(double(cfg.beta2), t));
-    rekls_adam_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x_, s.M, s.V, y_, mn, cfg.beta1, cfg.beta2, bias1, bias2,
-                                                                cfg.eps);
+    rekls_adam_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x_, s.M, s.V, y_, mn, cfg.beta1, cfg.beta2, bias1,
+                                                                 bias2, cfg.eps);
     CUDA_CHECK_LAUNCH();
     const Transpose back = injected_fault() == Fault::rekls_rotation_untransposed ? Transpose::N : Transpose::T;
     product(y_, Transpose::N, s.QR, back, t_, m, n, n);  // Q_L U Q_R^T
     product(s.QL, Transpose::N, t_, Transpose::N, x_, m, n, m);
-    rekls_apply_kernel<<<elementwise_grid(mn), 256, 0, stream>>>(x.p, x_, mn, step.lr, cfg.weight_decay);
+    rekls_apply_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x.p, x_, mn, step.lr, cfg.weight_decay);
     CUDA_CHECK_LAUNCH();
+  }
+
+  // A solver's nonzero info stops the run, naming the call and the factor's size.
+  static void check_info(int info, const char* call, int k) {
+    if (info != 0)
+      throw std::runtime_error(std::string("rekls: ") + call + " of a " + std::to_string(k) + "x" + std::to_string(k) +
+                               " Kronecker factor failed, info " + std::to_string(info) +
+                               (info > 0 ? " (no convergence: a non-finite factor?)" : " (bad argument)"));
   }
 
   // (lam, Q) of the symmetric factor [k, k] by syevd in fp32, eigenvalues descending. syevd
   // reads the lower triangle of the column-major matrix: the upper one of our row-major factor.
   // Its *info (nonzero: no convergence, or a bad argument) is read back at once, a host
-  // synchronisation per factor (unmeasured: no GPU yet; one read per step would do).
-  void eigenbasis(const float* factor, int k, float* Q, float* lam, cudaStream_t stream) {
-    CUDA_CHECK(cudaMemcpyAsync(vectors_, factor, size_t(k) * k * sizeof(float), cudaMemcpyDeviceToDevice, stream));
-    CUSOLVER_CHECK(cusolverDnSetStream(solver_, stream));
+  // synchronisation per factor.
+  void eigenbasis(const float* factor, int k, float* Q, float* lam) {
+    CUDA_CHECK(cudaMemcpyAsync(vectors_, factor, size_t(k) * k * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    CUSOLVER_CHECK(cusolverDnSetStream(solver_, stream_));
     CUSOLVER_CHECK(cusolverDnXsyevd(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, k, CUDA_R_32F,
                                     vectors_, k, CUDA_R_32F, values_, CUDA_R_32F, solver_device_, solver_device_bytes_,
                                     solver_host_.data(), solver_host_bytes_, info_));
     int info = 0;
-    CUDA_CHECK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, stream));
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (info != 0)
-      throw std::runtime_error("rekls: cusolverDnXsyevd of a " + std::to_string(k) + "x" + std::to_string(k) +
-                               " Kronecker factor failed, info " + std::to_string(info) +
-                               (info > 0 ? " (no convergence: a non-finite factor?)" : " (bad argument)"));
-    rekls_descending_basis_kernel<<<elementwise_grid(size_t(k) * k), 256, 0, stream>>>(vectors_, values_, Q, lam, k);
+    CUDA_CHECK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    check_info(info, "cusolverDnXsyevd", k);
+    rekls_descending_basis_kernel<<<elementwise_grid(size_t(k) * k), 256, 0, stream_>>>(vectors_, values_, Q, lam, k);
     CUDA_CHECK_LAUNCH();
+  }
+
+  // The same for every factor listed, all [k, k], by one syevBatched call on copies packed one
+  // after another; the infos are read back once. Its scratch grows to the largest batch asked for.
+  void eigenbases_batched(const std::vector<Factor>& factors, int k) {
+    const int64_t count = int64_t(factors.size());
+    if (count == 0) return;
+    const size_t kk = size_t(k) * k;
+    reserve_batch(k, count);
+    for (int64_t i = 0; i < count; ++i)
+      CUDA_CHECK(cudaMemcpyAsync(batch_.a + i * kk, factors[i].factor, kk * sizeof(float), cudaMemcpyDeviceToDevice,
+                                 stream_));
+    CUSOLVER_CHECK(cusolverDnSetStream(solver_, stream_));
+    CUSOLVER_CHECK(cusolverDnXsyevBatched(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, k,
+                                          CUDA_R_32F, batch_.a, k, CUDA_R_32F, batch_.w, CUDA_R_32F, batch_.device,
+                                          batch_.device_bytes, batch_.host.data(), batch_.host.size(), batch_.info,
+                                          count));
+    std::vector<int> infos(count);
+    CUDA_CHECK(cudaMemcpyAsync(infos.data(), batch_.info, count * sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (int info : infos) check_info(info, "cusolverDnXsyevBatched", k);
+    for (int64_t i = 0; i < count; ++i) {
+      rekls_descending_basis_kernel<<<elementwise_grid(kk), 256, 0, stream_>>>(batch_.a + i * kk, batch_.w + i * k,
+                                                                              factors[i].Q, factors[i].lam, k);
+      CUDA_CHECK_LAUNCH();
+    }
+  }
+
+  // Room for `count` factors [k, k], their eigenvalues, infos and syevBatched's workspaces.
+  void reserve_batch(int k, int64_t count) {
+    const size_t elems = size_t(count) * k * k, values = size_t(count) * k;
+    if (elems > batch_.elems || values > batch_.values || count > batch_.count) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old scratch may still be read
+      for (void* p : {(void*)batch_.a, (void*)batch_.w, (void*)batch_.info}) cudaFree(p);
+      batch_.elems = std::max(batch_.elems, elems);
+      batch_.values = std::max(batch_.values, values);
+      batch_.count = std::max(batch_.count, count);
+      CUDA_CHECK(cudaMalloc(&batch_.a, batch_.elems * sizeof(float)));
+      CUDA_CHECK(cudaMalloc(&batch_.w, batch_.values * sizeof(float)));
+      CUDA_CHECK(cudaMalloc(&batch_.info, batch_.count * sizeof(int)));
+    }
+    size_t device = 0, host = 0;
+    CUSOLVER_CHECK(cusolverDnXsyevBatched_bufferSize(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, k,
+                                                     CUDA_R_32F, batch_.a, k, CUDA_R_32F, batch_.w, CUDA_R_32F, &device,
+                                                     &host, count));
+    if (device > batch_.device_bytes) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      cudaFree(batch_.device);
+      batch_.device_bytes = device;
+      CUDA_CHECK(cudaMalloc(&batch_.device, device));
+    }
+    if (host > batch_.host.size()) batch_.host.resize(host);
   }
 
   cusolverDnHandle_t solver_ = nullptr;
   cusolverDnParams_t params_ = nullptr;
+  Matmul* matmul_ = nullptr;  // those of the update in progress
+  cudaStream_t stream_ = nullptr;
   float *g_ = nullptr, *x_ = nullptr, *y_ = nullptr, *t_ = nullptr;  // [largest m n] each
   float *vectors_ = nullptr, *values_ = nullptr;                      // syevd's A [k, k] and W [k]
   int* info_ = nullptr;
   void* solver_device_ = nullptr;
   size_t solver_device_bytes_ = 0, solver_host_bytes_ = 0;
   std::vector<char> solver_host_;
+  struct {  // syevBatched's: A [count][k, k], W [count][k], infos, workspaces
+    float *a = nullptr, *w = nullptr;
+    int* info = nullptr;
+    size_t elems = 0, values = 0;
+    int64_t count = 0;
+    void* device = nullptr;
+    size_t device_bytes = 0;
+    std::vector<char> host;
+  } batch_;
 };

@@ -3,8 +3,8 @@
 // large cuBLASLt bf16 and FP8 matmuls), then prints per kernel: median time, achieved TB/s or
 // TFLOP/s, and the fraction of the measured ceiling (FP8 products: of the FP8 one). Usage:
 // bench_kernels [repeats] [section...], from the repository root (attention reads the documents of
-// data/sample/); sections: matmul, fp8, muon, rekls, memory, attention, eigensolver (none named:
-// all, in this order).
+// data/sample/); sections: matmul, fp8, muon, rekls, memory, attention (none named: all, in this
+// order).
 // Each row is printed as it is measured, so that a run stopped early keeps its rows.
 #include "data/dataloader.h"
 #include "kernels/activations.cuh"
@@ -243,102 +243,41 @@ void bench_rekls(Matmul& matmul, const Peaks& peaks) {
   }
   std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 hidden matrices, refreshed", model_refreshed, "sum of rows", "");
   std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 hidden matrices, kept", model_kept, "sum of rows", "");
-}
-
-// The refresh's eigendecompositions alone, per factor size k: syevd one factor at a time (what
-// Rekls does: a copy of the factor, then the solve) against syevBatched over all of one rank's
-// factors of that size at W = 1 (112 of 768: L and R of the 44 square matrices and R of the 24
-// others; 24 of 3072), both on a Wishart factor B B^T / k like REKLS's; then the largest
-// difference of their eigenvalues. It decides whether Rekls should batch its refresh
-// (docs/REKLS.md). A status other than success from the batched solver is printed, not thrown:
-// the section then still ends.
-void bench_eigensolvers(Matmul& matmul) {
-  cusolverDnHandle_t solver = nullptr;
-  cusolverDnParams_t params = nullptr;
-  CUSOLVER_CHECK(cusolverDnCreate(&solver));
-  CUSOLVER_CHECK(cusolverDnCreateParams(&params));
-  CUSOLVER_CHECK(cusolverDnSetStream(solver, 0));
-  const auto mode = CUSOLVER_EIG_MODE_VECTOR;
-  const auto lower = CUBLAS_FILL_MODE_LOWER;
+  // The refresh with --rekls-eigensolver batched: a whole group in one update, as the trainer's
+  // groups at W = 1 (44 of [768, 768]: one syevBatched of 88 factors; 12 of [3072, 768]: one of
+  // 12 and one of 12), the 68 summed as 44 + 2 x 12 (mlp proj's [768, 3072] as c_fc's shape).
+  double model_batched = 0;
   const int repeats = g_repeats;
-  g_repeats = std::min(g_repeats, 5);  // a batch of 3072s takes seconds
-  double syevd_all = 0, batched_all = 0;
-  bool batched_every_size = true;
-  for (const std::pair<int, int>& size : {std::pair<int, int>{D, 112}, std::pair<int, int>{F, 24}}) {
-    const int k = size.first, count = size.second;
-    const size_t kk = size_t(k) * k;
-    bf16* b16 = random_bf16(kk, 1.0f, 19);
-    float *b = device_alloc<float>(kk), *factor = device_alloc<float>(kk);
-    convert(b16, b, kk, 0);
-    MatmulOptions fp32;
-    fp32.a_type = fp32.b_type = CUDA_R_32F;
-    matmul(b, Transpose::N, b, Transpose::T, factor, k, k, k, CUDA_R_32F, fp32, 0, 1.0f / k, 0.0f);
-    float *batch = device_alloc<float>(kk * count), *a = device_alloc<float>(kk * count);
-    float* w = device_alloc<float>(size_t(k) * count);
-    int* info = device_alloc<int>(count);
-    for (int i = 0; i < count; ++i)
-      CUDA_CHECK(cudaMemcpy(batch + i * kk, factor, kk * sizeof(float), cudaMemcpyDeviceToDevice));
-
-    size_t device_bytes = 0, host_bytes = 0;
-    CUSOLVER_CHECK(cusolverDnXsyevd_bufferSize(solver, params, mode, lower, k, CUDA_R_32F, a, k, CUDA_R_32F, w,
-                                               CUDA_R_32F, &device_bytes, &host_bytes));
-    void* device_work = device_alloc<char>(std::max<size_t>(device_bytes, 1));
-    std::vector<char> host_work(std::max<size_t>(host_bytes, 1));
-    const float syevd_ms = median_ms([&] {
-      CUDA_CHECK(cudaMemcpyAsync(a, factor, kk * sizeof(float), cudaMemcpyDeviceToDevice, 0));
-      CUSOLVER_CHECK(cusolverDnXsyevd(solver, params, mode, lower, k, CUDA_R_32F, a, k, CUDA_R_32F, w, CUDA_R_32F,
-                                      device_work, device_bytes, host_work.data(), host_bytes, info));
-    });
-    std::vector<float> w_syevd(k), w_batched(k);
-    CUDA_CHECK(cudaMemcpy(w_syevd.data(), w, k * sizeof(float), cudaMemcpyDeviceToHost));
-    char name[96];
-    std::snprintf(name, sizeof name, "syevd [%d], one factor", k);
-    std::printf("| %-38s | %8.3f | %-15s | %6s |\n", name, syevd_ms, "", "");
-    syevd_all += count * syevd_ms;
-    cudaFree(device_work);
-
-    size_t batched_device_bytes = 0, batched_host_bytes = 0;
-    cusolverStatus_t status = cusolverDnXsyevBatched_bufferSize(solver, params, mode, lower, k, CUDA_R_32F, a, k,
-                                                                CUDA_R_32F, w, CUDA_R_32F, &batched_device_bytes,
-                                                                &batched_host_bytes, count);
-    void* batched_work = device_alloc<char>(std::max<size_t>(batched_device_bytes, 1));
-    std::vector<char> batched_host(std::max<size_t>(batched_host_bytes, 1));
-    auto batched = [&] {
-      CUDA_CHECK(cudaMemcpyAsync(a, batch, kk * count * sizeof(float), cudaMemcpyDeviceToDevice, 0));
-      return cusolverDnXsyevBatched(solver, params, mode, lower, k, CUDA_R_32F, a, k, CUDA_R_32F, w, CUDA_R_32F,
-                                    batched_work, batched_device_bytes, batched_host.data(), batched_host_bytes, info,
-                                    count);
-    };
-    if (status == CUSOLVER_STATUS_SUCCESS) status = batched();
-    std::snprintf(name, sizeof name, "syevBatched %d x [%d], per factor", count, k);
-    if (status != CUSOLVER_STATUS_SUCCESS) {
-      std::printf("| %-38s | %8s | %-15s | %6s |\n", name, "-", cusolver_status_name(status), "");
-      batched_every_size = false;
-    } else {
-      const float batched_ms = median_ms([&] { CUSOLVER_CHECK(batched()); });
-      std::vector<int> infos(count);
-      CUDA_CHECK(cudaMemcpy(infos.data(), info, count * sizeof(int), cudaMemcpyDeviceToHost));
-      CUDA_CHECK(cudaMemcpy(w_batched.data(), w + size_t(k) * (count - 1), k * sizeof(float), cudaMemcpyDeviceToHost));
-      float largest = 0, difference = 0;
-      for (int j = 0; j < k; ++j) {
-        largest = std::max(largest, std::fabs(w_syevd[j]));
-        difference = std::max(difference, std::fabs(w_syevd[j] - w_batched[j]));
-      }
-      const int failed = int(std::count_if(infos.begin(), infos.end(), [](int i) { return i != 0; }));
-      char note[64];
-      std::snprintf(note, sizeof note, "eig. diff %.1e%s", difference / largest, failed ? ", info != 0" : "");
-      std::printf("| %-38s | %8.3f | %-15s | %6s |\n", name, batched_ms / count, note, "");
-      batched_all += batched_ms;
+  g_repeats = std::min(g_repeats, 5);  // a group's refresh may take seconds
+  ReklsSettings batched;
+  batched.eigensolver = ReklsEigensolver::batched;
+  for (const std::pair<int, int>& shape : shapes) try {
+    const int m = shape.first, n = shape.second, count = m == n ? 44 : 12;
+    const size_t mn = size_t(m) * n, elems = ReklsBuffers::elems(m, n);
+    bf16* init = random_bf16(2 * count * mn, 1.0f, 20);
+    float *p = device_alloc<float>(count * mn), *g = device_alloc<float>(count * mn);
+    float* state = device_alloc<float>(count * elems);
+    convert(init, p, count * mn, 0);
+    convert(init + count * mn, g, count * mn, 0);
+    std::vector<ReklsMatrix> group;
+    for (int i = 0; i < count; ++i) {
+      rekls_reset_state(state + i * elems, m, n, 0);
+      group.push_back({p + i * mn, g + i * mn, state + i * elems});
     }
-    cudaFree(batched_work);
-    for (void* p : {(void*)b16, (void*)b, (void*)factor, (void*)batch, (void*)a, (void*)w, (void*)info}) cudaFree(p);
+    rekls.update(group, m, n, batched, {1e-3f, 1, 1.0f}, matmul, 0);
+    char name[96];
+    std::snprintf(name, sizeof name, "rekls %d x [%d, %d], syevBatched", count, m, n);
+    const float ms = median_ms([&] { rekls.update(group, m, n, batched, {1e-3f, 2, 1.0f}, matmul, 0); });
+    std::printf("| %-38s | %8.3f | %-15s | %6s |\n", name, ms, "bases refreshed", "");
+    model_batched += (m == n ? 1 : 2) * ms;
+    for (void* b : {(void*)init, (void*)p, (void*)g, (void*)state}) cudaFree(b);
+  } catch (const std::runtime_error& e) {  // a solver status (not a sticky CUDA error): the rows after still run
+    std::printf("| rekls [%d, %d] with syevBatched failed: %s |  |  |  |\n", shape.first, shape.second, e.what());
+    model_batched = NAN;
   }
-  std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "syevd, the 136 factors of one rank", syevd_all, "sum of rows", "");
-  if (batched_every_size)
-    std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "syevBatched, the 136 factors", batched_all, "two calls", "");
   g_repeats = repeats;
-  cusolverDnDestroyParams(params);
-  cusolverDnDestroy(solver);
+  std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 matrices, refreshed, batched", model_batched,
+              "44 + 2 x 12", "");
 }
 
 // Muon's update of a whole shape group on one rank (W = 1 owns all of it): momentum, the batched
@@ -449,7 +388,7 @@ void bench_attention(const Peaks& peaks) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc > 1) g_repeats = std::max(1, std::atoi(argv[1]));
-  const std::vector<std::string> all = {"matmul", "fp8", "muon", "rekls", "memory", "attention", "eigensolver"};
+  const std::vector<std::string> all = {"matmul", "fp8", "muon", "rekls", "memory", "attention"};
   std::vector<std::string> sections(argv + std::min(argc, 2), argv + argc);
   for (const std::string& section : sections)
     if (std::find(all.begin(), all.end(), section) == all.end()) {
@@ -474,7 +413,6 @@ int main(int argc, char** argv) {
     if (wanted("rekls")) bench_rekls(matmul, peaks);
     if (wanted("memory")) bench_memory_bound(peaks);
     if (wanted("attention")) bench_attention(peaks);
-    if (wanted("eigensolver")) bench_eigensolvers(matmul);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -1,16 +1,17 @@
-// cuSOLVER's dense symmetric eigensolver (cusolverDnXsyevd, the 64-bit API) on the CPU, with the
-// library's conventions: column-major A of which only the `uplo` triangle is read, eigenvalues
-// ascending in W, the eigenvectors overwriting A column by column, the workspace sizes asked for
-// first and held to, *info 0, or positive when the iteration does not converge (a non-finite A).
-// The decomposition is the CPU reference's (tests/reference/eigen.h: Householder, then implicit
-// QL) in the data type's own arithmetic, so that an fp32 solve rounds as the library's does.
-// Other data types or modes are refused as the library refuses them
-// (CUSOLVER_STATUS_INVALID_VALUE / NOT_SUPPORTED).
+// cuSOLVER's dense symmetric eigensolvers (cusolverDnXsyevd and cusolverDnXsyevBatched, the 64-bit
+// API) on the CPU, with the library's conventions: column-major A of which only the `uplo`
+// triangle is read, eigenvalues ascending in W, the eigenvectors overwriting A column by column,
+// the workspace sizes asked for first and held to, *info 0, or positive when the iteration does
+// not converge (a non-finite A). The decomposition is the CPU reference's
+// (tests/reference/eigen.h: Householder, then implicit QL) in the data type's own arithmetic, so
+// that an fp32 solve rounds as the library's does. Other data types or modes are refused as the
+// library refuses them (CUSOLVER_STATUS_INVALID_VALUE / NOT_SUPPORTED).
 #include "emulator/cuda_emulator.h"
 #include "reference/eigen.h"
 
 #include <cusolverDn.h>
 
+#include <climits>
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
@@ -60,6 +61,21 @@ void decompose(cusolverEigMode_t jobz, cublasFillMode_t uplo, int k, Real* A, in
   }
 }
 
+// The same in the data type's arithmetic; the info syevd reports: 0, or 1 when the QL iteration
+// did not converge (a non-finite A; LAPACK's convention: positive, the call itself succeeds).
+int decompose(cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n, cudaDataType type, void* A, int64_t lda,
+              void* W) {
+  try {
+    if (type == CUDA_R_64F)
+      decompose(jobz, uplo, int(n), static_cast<double*>(A), lda, static_cast<double*>(W));
+    else
+      decompose(jobz, uplo, int(n), static_cast<float*>(A), lda, static_cast<float*>(W));
+  } catch (const std::runtime_error&) {
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 cusolverStatus_t cusolverDnCreate(cusolverDnHandle_t* handle) {
@@ -104,14 +120,40 @@ cusolverStatus_t cusolverDnXsyevd(cusolverDnHandle_t handle, cusolverDnParams_t,
   workspace_bytes(n, a_type, &need_device, &need_host);
   if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
     return CUSOLVER_STATUS_INVALID_VALUE;
-  try {
-    if (a_type == CUDA_R_64F)
-      decompose(jobz, uplo, int(n), static_cast<double*>(A), lda, static_cast<double*>(W));
-    else
-      decompose(jobz, uplo, int(n), static_cast<float*>(A), lda, static_cast<float*>(W));
-    *info = 0;
-  } catch (const std::runtime_error&) {  // the QL iteration did not converge (a non-finite A)
-    *info = 1;                           // LAPACK's convention: info > 0, the call itself succeeds
-  }
+  *info = decompose(jobz, uplo, n, a_type, A, lda, W);
+  return CUSOLVER_STATUS_SUCCESS;
+}
+
+// syevBatched: `batch` matrices [n, n] packed one after another (A_i at A + i lda n, W_i at
+// W + i n), each decomposed as syevd does, info[i] its own; the library's limit
+// n lda batch <= INT32_MAX held to.
+cusolverStatus_t cusolverDnXsyevBatched_bufferSize(cusolverDnHandle_t handle, cusolverDnParams_t,
+                                                   cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
+                                                   cudaDataType a_type, const void*, int64_t lda, cudaDataType w_type,
+                                                   const void*, cudaDataType compute, size_t* device_bytes,
+                                                   size_t* host_bytes, int64_t batch) {
+  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
+    return s;
+  if (batch < 1 || n * lda * batch > INT32_MAX) return CUSOLVER_STATUS_INVALID_VALUE;
+  workspace_bytes(n, a_type, device_bytes, host_bytes);
+  return CUSOLVER_STATUS_SUCCESS;
+}
+
+cusolverStatus_t cusolverDnXsyevBatched(cusolverDnHandle_t handle, cusolverDnParams_t, cusolverEigMode_t jobz,
+                                        cublasFillMode_t uplo, int64_t n, cudaDataType a_type, void* A, int64_t lda,
+                                        cudaDataType w_type, void* W, cudaDataType compute, void* device_work,
+                                        size_t device_bytes, void* host_work, size_t host_bytes, int* info,
+                                        int64_t batch) {
+  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
+    return s;
+  if (batch < 1 || n * lda * batch > INT32_MAX) return CUSOLVER_STATUS_INVALID_VALUE;
+  size_t need_device = 0, need_host = 0;
+  workspace_bytes(n, a_type, &need_device, &need_host);
+  if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
+    return CUSOLVER_STATUS_INVALID_VALUE;
+  const size_t bytes = type_bytes(a_type);
+  for (int64_t i = 0; i < batch; ++i)
+    info[i] = decompose(jobz, uplo, n, a_type, static_cast<char*>(A) + size_t(i * lda * n) * bytes, lda,
+                        static_cast<char*>(W) + size_t(i * n) * bytes);
   return CUSOLVER_STATUS_SUCCESS;
 }

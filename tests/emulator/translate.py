@@ -23,7 +23,7 @@ a CPU does not, so the emulator checks every cast to a pointer in kernels/ (the 
 stay free of emulator code).
 Top-level test sources (tests/gpu/test_*.cu, and the emulator's own tests/emulator/test_*.cu) are
 written as .cpp; everything else keeps its name and path, so #include lines resolve inside OUT.
-Usage: translate.py SOURCE_ROOT OUT_ROOT
+Usage: translate.py [--list] SOURCE_ROOT OUT_ROOT (--list: print the files it would write, ';'-separated)
 """
 import pathlib
 import re
@@ -69,21 +69,33 @@ def rewrite(text, template_kernels):
     return STATIC_SHARED.sub(static_shared, text)
 
 
-def main(source_root, out_root):
-    source_root, out_root = pathlib.Path(source_root), pathlib.Path(out_root)
+def targets(source_root, out_root):
+    """(source, target) of every file translated: what the rewrite reads and where it writes."""
     paths = [p for pattern in SOURCES for p in sorted(source_root.glob(pattern))
              if p.is_file() and p.suffix in (".cu", ".cuh", ".h")]
-    template_kernels = {name for p in paths for name in TEMPLATE_KERNEL.findall(p.read_text())}
+    pairs = []
     for path in paths:
         relative = path.relative_to(source_root)
         if relative.as_posix() == "kernels/ptx.cuh":
             path = source_root / "tests/emulator/ptx.cuh"
+        target = relative
+        if relative.parent.as_posix() in TEST_FOLDERS and relative.name.startswith("test_"):
+            target = relative.with_suffix(".cpp")
+        pairs.append((path, relative, out_root / target))
+    return pairs
+
+
+def main(source_root, out_root, list_only):
+    source_root, out_root = pathlib.Path(source_root), pathlib.Path(out_root)
+    pairs = targets(source_root, out_root)
+    if list_only:  # for CMake: every file written, so that a build knows what the rewrite changes
+        print(";".join(target.as_posix() for _, _, target in pairs))
+        return
+    template_kernels = {name for path, _, _ in pairs for name in TEMPLATE_KERNEL.findall(path.read_text())}
+    for path, relative, target in pairs:
         text = path.read_text()
         if relative.parts[0] == "kernels":
             text = check_pointer_casts(text)  # before the launches add casts of kernel addresses
-        if relative.parent.as_posix() in TEST_FOLDERS and relative.name.startswith("test_"):
-            relative = relative.with_suffix(".cpp")
-        target = out_root / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         text = rewrite(text, template_kernels)
         if not target.exists() or target.read_text() != text:  # unchanged files keep their time stamps
@@ -91,6 +103,7 @@ def main(source_root, out_root):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    arguments = [a for a in sys.argv[1:] if a != "--list"]
+    if len(arguments) != 2:
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    main(arguments[0], arguments[1], "--list" in sys.argv[1:])

@@ -38,57 +38,87 @@ std::vector<double> slice(const std::vector<double>& v, const float* base, const
 
 constexpr double kGradStd = 1e-8;  // see above
 
-// Relative errors after the steps, each against the reference.
+// Relative errors after the steps against the reference, the worst over the matrices.
 struct ReklsErrors {
-  double change, L, R, lam_L, lam_R, V, M_out;
+  double change = 0, L = 0, R = 0, lam_L = 0, lam_R = 0, V = 0, M_out = 0;
 };
 
-ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed) {
-  const size_t mn = size_t(m) * n;
+// `count` matrices [m, n] updated together (one update call per step, as the trainer's groups),
+// each with its own parameters, gradients, state and reference.
+ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed, ReklsEigensolver solver, int count) {
+  const size_t mn = size_t(m) * n, elems = ReklsBuffers::elems(m, n);
   const float lr = 0.01f, grad_scale = 0.5f;
-  std::vector<double> p0 = random_normal(mn, seed, 0.02);
-  std::vector<float> pf(p0.begin(), p0.end());
-  DeviceBuffer<float> dp(pf), dg(mn), dstate(ReklsBuffers::elems(m, n));
-  rekls_reset_state(dstate.get(), m, n, 0);
+  std::vector<float> pf(count * mn);
+  for (int i = 0; i < count; ++i) {
+    const std::vector<double> p0 = random_normal(mn, seed + 1000 * i, 0.02);
+    std::copy(p0.begin(), p0.end(), pf.begin() + i * mn);
+  }
+  DeviceBuffer<float> dp(pf), dg(count * mn), dstate(count * elems);
+  std::vector<ReklsMatrix> matrices;
+  for (int i = 0; i < count; ++i) {
+    rekls_reset_state(dstate.get() + i * elems, m, n, 0);
+    matrices.push_back({dp.get() + i * mn, dg.get() + i * mn, dstate.get() + i * elems});
+  }
   Matmul matmul;
   Rekls rekls({{m, n}});
   ReklsSettings settings;
   settings.eigenbasis_every = eigenbasis_every;
+  settings.eigensolver = solver;
   ReklsConfig cfg;
   cfg.eigenbasis_every = eigenbasis_every;
   std::vector<double> p_ref(pf.begin(), pf.end());
-  ReklsState ref(m, n);
+  std::vector<ReklsState> refs(count, ReklsState(m, n));
   for (int t = 1; t <= steps; ++t) {
-    std::vector<double> g = random_normal(mn, seed + 100 + t, kGradStd);
-    std::vector<float> gf(g.begin(), g.end());
+    std::vector<float> gf(count * mn);
+    for (int i = 0; i < count; ++i) {
+      const std::vector<double> g = random_normal(mn, seed + 1000 * i + 100 + t, kGradStd);
+      std::copy(g.begin(), g.end(), gf.begin() + i * mn);
+    }
     dg.upload(gf);
-    rekls.update({{dp.get(), dg.get(), dstate.get()}}, m, n, settings, {lr, t, grad_scale}, matmul, 0);
-    std::vector<double> g_ref(mn);
-    for (size_t i = 0; i < mn; ++i) g_ref[i] = double(gf[i]) * grad_scale;
-    rekls_update(p_ref.data(), g_ref.data(), ref, lr, t, cfg);
+    rekls.update(matrices, m, n, settings, {lr, t, grad_scale}, matmul, 0);
+    for (int i = 0; i < count; ++i) {
+      std::vector<double> g_ref(mn);
+      for (size_t j = 0; j < mn; ++j) g_ref[j] = double(gf[i * mn + j]) * grad_scale;
+      rekls_update(p_ref.data() + i * mn, g_ref.data(), refs[i], lr, t, cfg);
+    }
   }
   const std::vector<double> p = to_double(dp.download()), state = to_double(dstate.download());
-  std::vector<double> change(mn), change_ref(mn);
-  for (size_t i = 0; i < mn; ++i) change[i] = p[i] - pf[i], change_ref[i] = p_ref[i] - pf[i];
-  const ReklsBuffers b = ReklsBuffers::at(dstate.get(), m, n);
-  const float* base = dstate.get();
-  const std::vector<double> L = slice(state, base, b.L, size_t(m) * m), R = slice(state, base, b.R, size_t(n) * n);
-  const std::vector<double> lam_L = slice(state, base, b.lam_L, m), lam_R = slice(state, base, b.lam_R, n);
-  const std::vector<double> V = slice(state, base, b.V, mn);
-  const std::vector<double> M_out = moment_out_of_basis(slice(state, base, b.M, mn), slice(state, base, b.QL, size_t(m) * m),
-                                                        slice(state, base, b.QR, size_t(n) * n), m, n);
-  const std::vector<double> M_out_ref = rekls_rotate_out(ref.M, ref);
-  return {relative_error(change, change_ref), relative_error(L, ref.L), relative_error(R, ref.R),
-          relative_error(lam_L, ref.lam_L), relative_error(lam_R, ref.lam_R), relative_error(V, ref.V),
-          relative_error(M_out, M_out_ref)};
+  ReklsErrors worst;
+  for (int i = 0; i < count; ++i) {
+    std::vector<double> change(mn), change_ref(mn);
+    for (size_t j = 0; j < mn; ++j) {
+      const size_t at = i * mn + j;
+      change[j] = p[at] - pf[at], change_ref[j] = p_ref[at] - pf[at];
+    }
+    const float* base = dstate.get();
+    const ReklsBuffers b = ReklsBuffers::at(dstate.get() + i * elems, m, n);
+    const ReklsState& ref = refs[i];
+    const std::vector<double> M_out =
+        moment_out_of_basis(slice(state, base, b.M, mn), slice(state, base, b.QL, size_t(m) * m),
+                            slice(state, base, b.QR, size_t(n) * n), m, n);
+    const ReklsErrors e{relative_error(change, change_ref),
+                        relative_error(slice(state, base, b.L, size_t(m) * m), ref.L),
+                        relative_error(slice(state, base, b.R, size_t(n) * n), ref.R),
+                        relative_error(slice(state, base, b.lam_L, m), ref.lam_L),
+                        relative_error(slice(state, base, b.lam_R, n), ref.lam_R),
+                        relative_error(slice(state, base, b.V, mn), ref.V),
+                        relative_error(M_out, rekls_rotate_out(ref.M, ref))};
+    worst = {std::max(worst.change, e.change), std::max(worst.L, e.L),         std::max(worst.R, e.R),
+             std::max(worst.lam_L, e.lam_L),   std::max(worst.lam_R, e.lam_R), std::max(worst.V, e.V),
+             std::max(worst.M_out, e.M_out)};
+  }
+  return worst;
 }
 
 // The factors and their eigenvalues are fp32 sums of products (3e-5); the change, V and the
-// moment go through fp32 eigenvectors and Adam's division (1e-3). The emulator measured at most
-// 4.6e-6 and 2.0e-4 (docs/REKLS.md).
-double check_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed) {
-  std::printf("  rekls [%d, %d], %d steps, eigenbasis every %d\n", m, n, steps, eigenbasis_every);
-  const ReklsErrors e = run_rekls(m, n, steps, eigenbasis_every, seed);
+// moment go through fp32 eigenvectors and Adam's division (1e-3). docs/REKLS.md has what the
+// emulator and the GPUs measured.
+double check_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed,
+                   ReklsEigensolver solver = ReklsEigensolver::syevd, int count = 1) {
+  std::printf("  rekls [%d, %d], %d steps, eigenbasis every %d", m, n, steps, eigenbasis_every);
+  if (solver == ReklsEigensolver::batched) std::printf(", %d matrices through syevBatched", count);
+  std::printf("\n");
+  const ReklsErrors e = run_rekls(m, n, steps, eigenbasis_every, seed, solver, count);
   const double factor_bound = 3e-5, bound = 1e-3;
   for (auto [what, error, limit] : {std::tuple{"parameter change", e.change, bound}, {"L", e.L, factor_bound},
                                     {"R", e.R, factor_bound}, {"lam_L", e.lam_L, factor_bound},
@@ -110,12 +140,20 @@ TEST_CASE("rekls step: KL factors, syevd eigenbases, Adam in the rotated basis; 
   if (at_record_shapes("rekls at 768 x 768")) check_rekls(768, 768, 2, 1, 5);
 }
 
+TEST_CASE("rekls with syevBatched: the matrices of an update refreshed together, each as the reference") {
+  const auto batched = ReklsEigensolver::batched;
+  check_rekls(48, 48, 4, 1, 1, batched, 3);  // square: L and R in one batch of 6
+  check_rekls(40, 24, 1, 1, 2, batched, 2);  // a batch per factor size
+  check_rekls(32, 32, 3, 2, 4, batched, 2);  // step 2 keeps the bases (no solver)
+  if (at_record_shapes("rekls with syevBatched at 768 x 768")) check_rekls(768, 768, 2, 1, 5, batched, 2);
+}
+
 TEST_CASE("rekls: the update rotated back without the transpose of Q_R fails by 10x the rounding or more") {
   const double rounding = check_rekls(24, 24, 2, 1, 6);
   double error = 0;
   {
     ScopedFault injected(Fault::rekls_rotation_untransposed);
-    error = run_rekls(24, 24, 2, 1, 6).change;
+    error = run_rekls(24, 24, 2, 1, 6, ReklsEigensolver::syevd, 1).change;
   }
   std::printf("  rekls_rotation_untransposed: change rel. error %.2e, %.0fx the rounding %.2e\n", error, error / rounding,
               rounding);
