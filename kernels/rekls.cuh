@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -301,11 +302,18 @@ class Rekls {
   }
 
   // The same for every factor listed, all [k, k], by one syevBatched call on copies packed one
-  // after another; the infos are read back once. Its scratch grows to the largest batch asked for.
+  // after another (more calls past the library's limit of k k count <= INT32_MAX elements); the
+  // infos are read back once a call. Its scratch grows to the largest batch asked for.
   void eigenbases_batched(const std::vector<Factor>& factors, int k) {
     const int64_t count = int64_t(factors.size());
     if (count == 0) return;
     const size_t kk = size_t(k) * k;
+    const int64_t most = std::max<int64_t>(1, std::numeric_limits<int32_t>::max() / int64_t(kk));
+    if (count > most) {
+      for (int64_t first = 0; first < count; first += most)
+        eigenbases_batched({factors.begin() + first, factors.begin() + std::min(count, first + most)}, k);
+      return;
+    }
     reserve_batch(k, count);
     for (int64_t i = 0; i < count; ++i)
       CUDA_CHECK(cudaMemcpyAsync(batch_.a + i * kk, factors[i].factor, kk * sizeof(float), cudaMemcpyDeviceToDevice,

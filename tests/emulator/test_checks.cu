@@ -7,8 +7,9 @@
 //   shared memory they must fit the GPU's limits;
 // - cuBLASLt answers "not supported" to an FP8 product whose scale pointer is off a 16-byte
 //   boundary, as cuBLASLt 13.1 did on an H200 (its heuristic had offered an algorithm);
-// - cuSOLVER's syevd reports a factor it cannot decompose (a non-finite one) by a positive info,
-//   and REKLS stops naming the factor (docs/ERRORS.md).
+// - cuSOLVER's syevd reports a factor it cannot decompose by a positive info (LAPACK's convention;
+//   what the library answers for a NaN factor is unverified), and REKLS then stops naming the
+//   factor (docs/ERRORS.md).
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
 #include "kernels/cuda_check.cuh"

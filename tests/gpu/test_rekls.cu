@@ -143,7 +143,8 @@ TEST_CASE("rekls step: KL factors, syevd eigenbases, Adam in the rotated basis; 
 TEST_CASE("rekls with syevBatched: the matrices of an update refreshed together, each as the reference") {
   const auto batched = ReklsEigensolver::batched;
   check_rekls(48, 48, 4, 1, 1, batched, 3);  // square: L and R in one batch of 6
-  check_rekls(40, 24, 1, 1, 2, batched, 2);  // a batch per factor size
+  check_rekls(40, 24, 1, 1, 2, batched, 2);  // tall: a batch per factor size
+  check_rekls(16, 56, 1, 1, 3, batched, 2);  // wide
   check_rekls(32, 32, 3, 2, 4, batched, 2);  // step 2 keeps the bases (no solver)
   if (at_record_shapes("rekls with syevBatched at 768 x 768")) check_rekls(768, 768, 2, 1, 5, batched, 2);
 }
