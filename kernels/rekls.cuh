@@ -166,41 +166,36 @@ class Rekls {
   Rekls(const Rekls&) = delete;
   Rekls& operator=(const Rekls&) = delete;
 
-  // One REKLS step of each matrix [m, n] (see tests/reference/rekls.h for the equations). With the
-  // batched eigensolver a refresh runs in three passes (every matrix's factors and its M out of the
-  // old basis, the decompositions, every matrix's rest); each matrix's arithmetic is the same.
+  // One REKLS step of each matrix [m, n] (see tests/reference/rekls.h for the equations), in three
+  // passes so that a refresh can decompose every factor of a size at once: every matrix's factors
+  // (and, on a refresh, its M out of the old basis), the decompositions, every matrix's rest. Each
+  // matrix's arithmetic is that of one matrix alone.
   void update(const std::vector<ReklsMatrix>& matrices, int m, int n, const ReklsSettings& cfg, const ReklsStep& step,
               Matmul& matmul, cudaStream_t stream) {
     matmul_ = &matmul;
     stream_ = stream;
     const bool refresh = (step.t - 1) % cfg.eigenbasis_every == 0;  // soap.py:440-458
-    if (refresh && cfg.eigensolver == ReklsEigensolver::batched) {
-      std::vector<Factor> left, right;
-      for (const ReklsMatrix& x : matrices) {
-        const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
-        update_factors(x, m, n, cfg, step);
-        rotate_moment_out(s, m, n);
-        left.push_back({s.L, s.QL, s.lam_L});
-        right.push_back({s.R, s.QR, s.lam_R});
-      }
-      if (m == n) left.insert(left.end(), right.begin(), right.end());
-      eigenbases_batched(left, m);
-      if (m != n) eigenbases_batched(right, n);
-      for (const ReklsMatrix& x : matrices) {
-        rotate_moment_in(ReklsBuffers::at(x.state, m, n), m, n);
-        rotated_adam_step(x, m, n, cfg, step);
-      }
-      return;
-    }
+    std::vector<Factor> left, right;
     for (const ReklsMatrix& x : matrices) {
       const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
       update_factors(x, m, n, cfg, step);
-      if (refresh) {
-        rotate_moment_out(s, m, n);
-        eigenbasis(s.L, m, s.QL, s.lam_L);
-        eigenbasis(s.R, n, s.QR, s.lam_R);
-        rotate_moment_in(s, m, n);
+      if (!refresh) continue;
+      rotate_moment_out(s, m, n);
+      left.push_back({s.L, s.QL, s.lam_L});
+      right.push_back({s.R, s.QR, s.lam_R});
+    }
+    if (cfg.eigensolver == ReklsEigensolver::batched) {
+      if (m == n) left.insert(left.end(), right.begin(), right.end());
+      eigenbases_batched(left, m);
+      if (m != n) eigenbases_batched(right, n);
+    } else {
+      for (size_t i = 0; i < left.size(); ++i) {
+        eigenbasis(left[i], m);
+        eigenbasis(right[i], n);
       }
+    }
+    for (const ReklsMatrix& x : matrices) {
+      if (refresh) rotate_moment_in(ReklsBuffers::at(x.state, m, n), m, n);
       rotated_adam_step(x, m, n, cfg, step);
     }
   }
@@ -221,7 +216,8 @@ class Rekls {
     (*matmul_)(A, ta, B, tb, C, M, N, K, CUDA_R_32F, o, stream_, alpha, beta);
   }
 
-  // g_ = the summed gradient times grad_scale: G
+  // g_ = the summed gradient times grad_scale: G (again for each pass: between a matrix's two,
+  // the others' passes use g_)
   void scaled_gradient(const ReklsMatrix& x, size_t mn, float grad_scale) {
     rekls_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x.g, g_, mn, grad_scale);
     CUDA_CHECK_LAUNCH();
@@ -287,8 +283,8 @@ class Rekls {
   // reads the lower triangle of the column-major matrix: the upper one of our row-major factor.
   // Its *info (nonzero: no convergence, or a bad argument) is read back at once, a host
   // synchronisation per factor.
-  void eigenbasis(const float* factor, int k, float* Q, float* lam) {
-    CUDA_CHECK(cudaMemcpyAsync(vectors_, factor, size_t(k) * k * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  void eigenbasis(const Factor& f, int k) {
+    CUDA_CHECK(cudaMemcpyAsync(vectors_, f.factor, size_t(k) * k * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     CUSOLVER_CHECK(cusolverDnSetStream(solver_, stream_));
     CUSOLVER_CHECK(cusolverDnXsyevd(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, k, CUDA_R_32F,
                                     vectors_, k, CUDA_R_32F, values_, CUDA_R_32F, solver_device_, solver_device_bytes_,
@@ -297,7 +293,8 @@ class Rekls {
     CUDA_CHECK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     check_info(info, "cusolverDnXsyevd", k);
-    rekls_descending_basis_kernel<<<elementwise_grid(size_t(k) * k), 256, 0, stream_>>>(vectors_, values_, Q, lam, k);
+    rekls_descending_basis_kernel<<<elementwise_grid(size_t(k) * k), 256, 0, stream_>>>(vectors_, values_, f.Q, f.lam,
+                                                                                          k);
     CUDA_CHECK_LAUNCH();
   }
 

@@ -206,6 +206,31 @@ void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
     cudaFree(p);
 }
 
+// `count` matrices [m, n] for REKLS updates: random parameters and gradients, fresh state.
+struct ReklsBenchGroup {
+  ReklsBenchGroup(int count, int m, int n, uint64_t seed) {
+    const size_t mn = size_t(m) * n, elems = ReklsBuffers::elems(m, n);
+    init = random_bf16(2 * count * mn, 1.0f, seed);
+    p = device_alloc<float>(count * mn);
+    g = device_alloc<float>(count * mn);
+    state = device_alloc<float>(count * elems);
+    convert(init, p, count * mn, 0);
+    convert(init + count * mn, g, count * mn, 0);
+    for (int i = 0; i < count; ++i) {
+      rekls_reset_state(state + i * elems, m, n, 0);
+      matrices.push_back({p + i * mn, g + i * mn, state + i * elems});
+    }
+  }
+  ~ReklsBenchGroup() {
+    for (void* b : {(void*)init, (void*)p, (void*)g, (void*)state}) cudaFree(b);
+  }
+  ReklsBenchGroup(const ReklsBenchGroup&) = delete;
+  ReklsBenchGroup& operator=(const ReklsBenchGroup&) = delete;
+  bf16* init;
+  float *p, *g, *state;
+  std::vector<ReklsMatrix> matrices;
+};
+
 // One REKLS step of one matrix of each hidden shape [m, n] (kernels/rekls.cuh), with its eigenbases
 // refreshed (REKLS's default, every step: 12 fp32 products and two syevd) and kept (8 products),
 // beside the Muon rows; then the model's 68 hidden matrices on one rank (44 of [768, 768]: qkv as
@@ -219,27 +244,22 @@ void bench_rekls(Matmul& matmul, const Peaks& peaks) {
   for (const auto& shape : shapes) {
     const int m = shape.first, n = shape.second;
     const size_t mn = size_t(m) * n;
-    bf16* init = random_bf16(2 * mn, 1.0f, 18);
-    float *p = device_alloc<float>(mn), *g = device_alloc<float>(mn), *state = device_alloc<float>(ReklsBuffers::elems(m, n));
-    convert(init, p, mn, 0);
-    convert(init + mn, g, mn, 0);
-    rekls_reset_state(state, m, n, 0);
-    const std::vector<ReklsMatrix> matrix = {{p, g, state}};
+    const ReklsBenchGroup matrix(1, m, n, 18);
     ReklsSettings refreshed, kept;
     kept.eigenbasis_every = 1 << 30;  // step t > 1: (t - 1) % every != 0, the basis kept
-    rekls.update(matrix, m, n, refreshed, {1e-3f, 1, 1.0f}, matmul, 0);  // a first step fills the factors
+    rekls.update(matrix.matrices, m, n, refreshed, {1e-3f, 1, 1.0f}, matmul, 0);  // a first step fills the factors
     const double products = 2.0 * mn * (m + n);  // one product's FLOPs is 2 m n (m or n)
     char name[96];
     std::snprintf(name, sizeof name, "rekls step [%d, %d], bases refreshed", m, n);
-    const float refreshed_ms = median_ms([&] { rekls.update(matrix, m, n, refreshed, {1e-3f, 2, 1.0f}, matmul, 0); });
+    const float refreshed_ms =
+        median_ms([&] { rekls.update(matrix.matrices, m, n, refreshed, {1e-3f, 2, 1.0f}, matmul, 0); });
     row(name, refreshed_ms, 0, 6 * products, peaks);
     std::snprintf(name, sizeof name, "rekls step [%d, %d], bases kept", m, n);
-    const float kept_ms = median_ms([&] { rekls.update(matrix, m, n, kept, {1e-3f, 2, 1.0f}, matmul, 0); });
+    const float kept_ms = median_ms([&] { rekls.update(matrix.matrices, m, n, kept, {1e-3f, 2, 1.0f}, matmul, 0); });
     row(name, kept_ms, 0, 4 * products, peaks);
     const int count = m == n ? 44 : 24;
     model_refreshed += count * refreshed_ms;
     model_kept += count * kept_ms;
-    for (void* b : {(void*)init, (void*)p, (void*)g, (void*)state}) cudaFree(b);
   }
   std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 hidden matrices, refreshed", model_refreshed, "sum of rows", "");
   std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 hidden matrices, kept", model_kept, "sum of rows", "");
@@ -254,31 +274,17 @@ void bench_rekls(Matmul& matmul, const Peaks& peaks) {
   struct Group {
     int count, m, n;
   };
-  for (const Group& group_shape : {Group{33, D, D}, Group{11, D, D}, Group{12, F, D}, Group{12, D, F}}) {
-    const int m = group_shape.m, n = group_shape.n, count = group_shape.count;
-    const size_t mn = size_t(m) * n, elems = ReklsBuffers::elems(m, n);
-    bf16* init = random_bf16(2 * count * mn, 1.0f, 20);
-    float *p = device_alloc<float>(count * mn), *g = device_alloc<float>(count * mn);
-    float* state = device_alloc<float>(count * elems);
-    try {
-      convert(init, p, count * mn, 0);
-      convert(init + count * mn, g, count * mn, 0);
-      std::vector<ReklsMatrix> group;
-      for (int i = 0; i < count; ++i) {
-        rekls_reset_state(state + i * elems, m, n, 0);
-        group.push_back({p + i * mn, g + i * mn, state + i * elems});
-      }
-      rekls.update(group, m, n, batched, {1e-3f, 1, 1.0f}, matmul, 0);
-      char name[96];
-      std::snprintf(name, sizeof name, "rekls %d x [%d, %d], syevBatched", count, m, n);
-      const float ms = median_ms([&] { rekls.update(group, m, n, batched, {1e-3f, 2, 1.0f}, matmul, 0); });
-      std::printf("| %-38s | %8.3f | %-15s | %6s |\n", name, ms, "bases refreshed", "");
-      model_batched += ms;
-    } catch (const std::runtime_error& e) {  // a solver status (not a sticky CUDA error): the rows after still run
-      std::printf("| rekls [%d, %d] with syevBatched failed: %s |  |  |  |\n", m, n, e.what());
-      model_batched = NAN;
-    }
-    for (void* b : {(void*)init, (void*)p, (void*)g, (void*)state}) cudaFree(b);
+  for (const Group& shape : {Group{33, D, D}, Group{11, D, D}, Group{12, F, D}, Group{12, D, F}}) try {
+    const ReklsBenchGroup group(shape.count, shape.m, shape.n, 20);
+    rekls.update(group.matrices, shape.m, shape.n, batched, {1e-3f, 1, 1.0f}, matmul, 0);
+    char name[96];
+    std::snprintf(name, sizeof name, "rekls %d x [%d, %d], syevBatched", shape.count, shape.m, shape.n);
+    const float ms = median_ms([&] { rekls.update(group.matrices, shape.m, shape.n, batched, {1e-3f, 2, 1.0f}, matmul, 0); });
+    std::printf("| %-38s | %8.3f | %-15s | %6s |\n", name, ms, "bases refreshed", "");
+    model_batched += ms;
+  } catch (const std::runtime_error& e) {  // a solver status (not a sticky CUDA error): the rows after still run
+    std::printf("| rekls [%d, %d] with syevBatched failed: %s |  |  |  |\n", shape.m, shape.n, e.what());
+    model_batched = NAN;
   }
   g_repeats = repeats;
   std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 matrices, refreshed, batched", model_batched,

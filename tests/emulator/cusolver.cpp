@@ -76,6 +76,38 @@ int decompose(cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n, cudaData
   return 0;
 }
 
+// Both solvers' calls: the arguments checked and the workspaces held to, then each of `batch`
+// matrices [n, n] packed one after another (A_i at A + i lda n, W_i at W + i n) decomposed, info[i]
+// its own.
+cusolverStatus_t solve(cusolverDnHandle_t handle, cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
+                       cudaDataType a_type, void* A, int64_t lda, cudaDataType w_type, void* W, cudaDataType compute,
+                       void* device_work, size_t device_bytes, void* host_work, size_t host_bytes, int* info,
+                       int64_t batch) {
+  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
+    return s;
+  size_t need_device = 0, need_host = 0;
+  workspace_bytes(n, a_type, &need_device, &need_host);
+  if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
+    return CUSOLVER_STATUS_INVALID_VALUE;
+  const size_t bytes = type_bytes(a_type);
+  for (int64_t i = 0; i < batch; ++i)
+    info[i] = decompose(jobz, uplo, n, a_type, static_cast<char*>(A) + size_t(i * lda * n) * bytes, lda,
+                        static_cast<char*>(W) + size_t(i * n) * bytes);
+  return CUSOLVER_STATUS_SUCCESS;
+}
+
+cusolverStatus_t buffer_size(cusolverDnHandle_t handle, cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
+                             cudaDataType a_type, int64_t lda, cudaDataType w_type, cudaDataType compute,
+                             size_t* device_bytes, size_t* host_bytes) {
+  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
+    return s;
+  workspace_bytes(n, a_type, device_bytes, host_bytes);
+  return CUSOLVER_STATUS_SUCCESS;
+}
+
+// syevBatched's limit on its packed matrices: n lda batch <= INT32_MAX.
+bool batch_fits(int64_t n, int64_t lda, int64_t batch) { return batch >= 1 && n * lda * batch <= INT32_MAX; }
+
 }  // namespace
 
 cusolverStatus_t cusolverDnCreate(cusolverDnHandle_t* handle) {
@@ -104,39 +136,24 @@ cusolverStatus_t cusolverDnXsyevd_bufferSize(cusolverDnHandle_t handle, cusolver
                                              cublasFillMode_t uplo, int64_t n, cudaDataType a_type, const void*,
                                              int64_t lda, cudaDataType w_type, const void*, cudaDataType compute,
                                              size_t* device_bytes, size_t* host_bytes) {
-  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
-    return s;
-  workspace_bytes(n, a_type, device_bytes, host_bytes);
-  return CUSOLVER_STATUS_SUCCESS;
+  return buffer_size(handle, jobz, uplo, n, a_type, lda, w_type, compute, device_bytes, host_bytes);
 }
 
 cusolverStatus_t cusolverDnXsyevd(cusolverDnHandle_t handle, cusolverDnParams_t, cusolverEigMode_t jobz,
                                   cublasFillMode_t uplo, int64_t n, cudaDataType a_type, void* A, int64_t lda,
                                   cudaDataType w_type, void* W, cudaDataType compute, void* device_work,
                                   size_t device_bytes, void* host_work, size_t host_bytes, int* info) {
-  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
-    return s;
-  size_t need_device = 0, need_host = 0;
-  workspace_bytes(n, a_type, &need_device, &need_host);
-  if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
-    return CUSOLVER_STATUS_INVALID_VALUE;
-  *info = decompose(jobz, uplo, n, a_type, A, lda, W);
-  return CUSOLVER_STATUS_SUCCESS;
+  return solve(handle, jobz, uplo, n, a_type, A, lda, w_type, W, compute, device_work, device_bytes, host_work,
+               host_bytes, info, 1);
 }
 
-// syevBatched: `batch` matrices [n, n] packed one after another (A_i at A + i lda n, W_i at
-// W + i n), each decomposed as syevd does, info[i] its own; the library's limit
-// n lda batch <= INT32_MAX held to.
 cusolverStatus_t cusolverDnXsyevBatched_bufferSize(cusolverDnHandle_t handle, cusolverDnParams_t,
                                                    cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
                                                    cudaDataType a_type, const void*, int64_t lda, cudaDataType w_type,
                                                    const void*, cudaDataType compute, size_t* device_bytes,
                                                    size_t* host_bytes, int64_t batch) {
-  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
-    return s;
-  if (batch < 1 || n * lda * batch > INT32_MAX) return CUSOLVER_STATUS_INVALID_VALUE;
-  workspace_bytes(n, a_type, device_bytes, host_bytes);
-  return CUSOLVER_STATUS_SUCCESS;
+  if (!batch_fits(n, lda, batch)) return CUSOLVER_STATUS_INVALID_VALUE;
+  return buffer_size(handle, jobz, uplo, n, a_type, lda, w_type, compute, device_bytes, host_bytes);
 }
 
 cusolverStatus_t cusolverDnXsyevBatched(cusolverDnHandle_t handle, cusolverDnParams_t, cusolverEigMode_t jobz,
@@ -144,16 +161,7 @@ cusolverStatus_t cusolverDnXsyevBatched(cusolverDnHandle_t handle, cusolverDnPar
                                         cudaDataType w_type, void* W, cudaDataType compute, void* device_work,
                                         size_t device_bytes, void* host_work, size_t host_bytes, int* info,
                                         int64_t batch) {
-  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
-    return s;
-  if (batch < 1 || n * lda * batch > INT32_MAX) return CUSOLVER_STATUS_INVALID_VALUE;
-  size_t need_device = 0, need_host = 0;
-  workspace_bytes(n, a_type, &need_device, &need_host);
-  if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
-    return CUSOLVER_STATUS_INVALID_VALUE;
-  const size_t bytes = type_bytes(a_type);
-  for (int64_t i = 0; i < batch; ++i)
-    info[i] = decompose(jobz, uplo, n, a_type, static_cast<char*>(A) + size_t(i * lda * n) * bytes, lda,
-                        static_cast<char*>(W) + size_t(i * n) * bytes);
-  return CUSOLVER_STATUS_SUCCESS;
+  if (!batch_fits(n, lda, batch)) return CUSOLVER_STATUS_INVALID_VALUE;
+  return solve(handle, jobz, uplo, n, a_type, A, lda, w_type, W, compute, device_work, device_bytes, host_work,
+               host_bytes, info, batch);
 }

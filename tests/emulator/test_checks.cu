@@ -12,6 +12,7 @@
 //   factor (docs/ERRORS.md).
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
+#include "kernels/check_arrays.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/ptx.cuh"
@@ -224,26 +225,20 @@ TEST_CASE("an FP8 product with a scale pointer 4 or 8 bytes off a 16-byte bounda
 TEST_CASE("REKLS stops naming the factor when syevd cannot decompose it (a NaN gradient)") {
   const int m = 8, n = 8;
   const size_t mn = size_t(m) * n;
-  float *p = nullptr, *g = nullptr, *state = nullptr;
-  CUDA_CHECK(cudaMalloc(&p, mn * sizeof(float)));
-  CUDA_CHECK(cudaMalloc(&g, mn * sizeof(float)));
-  CUDA_CHECK(cudaMalloc(&state, ReklsBuffers::elems(m, n) * sizeof(float)));
-  const std::vector<float> ones(mn, 1.0f), nans(mn, std::nanf(""));
-  CUDA_CHECK(cudaMemcpy(p, ones.data(), mn * sizeof(float), cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(g, nans.data(), mn * sizeof(float), cudaMemcpyHostToDevice));
-  rekls_reset_state(state, m, n, 0);
+  DeviceBuffer<float> p(std::vector<float>(mn, 1.0f)), g(std::vector<float>(mn, std::nanf(""))),
+      state(ReklsBuffers::elems(m, n));
+  rekls_reset_state(state.get(), m, n, 0);
   Matmul matmul;
   Rekls rekls({{m, n}});
   std::string message;
   try {
-    rekls.update({{p, g, state}}, m, n, ReklsSettings{}, {1e-3f, 1, 1.0f}, matmul, 0);
+    rekls.update({{p.get(), g.get(), state.get()}}, m, n, ReklsSettings{}, {1e-3f, 1, 1.0f}, matmul, 0);
   } catch (const std::runtime_error& e) {
     message = e.what();
   }
   std::printf("  %s\n", message.c_str());
   CHECK(message == "rekls: cusolverDnXsyevd of a 8x8 Kronecker factor failed, info 1 (no convergence: a non-finite "
                    "factor?)");
-  for (void* b : {(void*)p, (void*)g, (void*)state}) cudaFree(b);
 }
 
 int main(int argc, char** argv) { return check::run_checks(argc, argv); }
