@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -81,7 +82,7 @@ struct Hyperparameters {
   double rekls_lr = 0.005, rekls_beta1 = 0.9, rekls_beta2 = 0.95, rekls_shampoo_beta = 0.95, rekls_eps = 1e-8;
   double rekls_weight_decay = 0.01;
   int rekls_eigenbasis_every = 1;   // steps between eigendecompositions (1: REKLS's every step)
-  std::string rekls_eigensolver = "syevd";  // syevd (a factor at a time) or batched (syevBatched)
+  std::string rekls_eigensolver = "batched";  // batched (syevBatched; 30% faster, H200) or syevd (a factor at a time)
   // run
   uint64_t seed = 0;                // 0: a fresh random seed, logged (record runs are independent)
   int checkpoint_every = 0;         // 0: a checkpoint at the end only
@@ -108,6 +109,7 @@ struct Hyperparameters {
   std::string self_check = "fallback"; // fallback, strict or off
   bool self_check_only = false;        // run the self-check and exit
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
+  int profile_step = 0;             // > 0: that step alone inside cudaProfilerStart/Stop (tools/kernel_profile)
   int stall_timeout = 600;          // seconds without progress after which a rank exits (0: never)
   bool nccl_single_rank = false;    // one rank through NCCL anyway (to measure what NCCL costs)
 };
@@ -198,7 +200,7 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"rekls-eigenbasis-every", &h.rekls_eigenbasis_every, "REKLS steps between eigendecompositions (1: every step)",
        positive(&h.rekls_eigenbasis_every), "positive"},
       {"rekls-eigensolver", &h.rekls_eigensolver,
-       "REKLS eigendecompositions: syevd (a factor at a time) or batched (syevBatched per factor size)",
+       "REKLS eigendecompositions: batched (syevBatched per factor size) or syevd (a factor at a time)",
        one_of(&h.rekls_eigensolver, {"syevd", "batched"}), "syevd or batched"},
       {"seed", &h.seed, "initialisation seed (0: a fresh one per run, logged)", nullptr, ""},
       {"checkpoint-every", &h.checkpoint_every, "steps between checkpoints (0: at the end only)",
@@ -218,13 +220,13 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "DiLoCo fragments: consecutive blocks (the embeddings with the first, lm_head and scalars with the last)",
        positive(&h.diloco_fragments), "positive (at most the model's 12 blocks)"},
       {"diloco-sync-every", &h.diloco_sync_every, "DiLoCo: steps between two syncs of a fragment (H)",
-       [&h] { return h.diloco_sync_every > 0 && h.diloco_sync_every % h.diloco_fragments == 0; },
+       [&h] { return h.diloco_groups <= 1 || (h.diloco_sync_every > 0 && h.diloco_sync_every % h.diloco_fragments == 0); },
        "a positive multiple of --diloco-fragments"},
       {"diloco-sync-delay", &h.diloco_sync_delay,
        "DiLoCo: steps a fragment's exchange overlaps before it is applied (d < H / F)",
        [&h] {
-         return h.diloco_sync_delay >= 0 && h.diloco_fragments > 0 &&
-                h.diloco_sync_delay < h.diloco_sync_every / h.diloco_fragments;
+         return h.diloco_groups <= 1 || (h.diloco_sync_delay >= 0 && h.diloco_fragments > 0 &&
+                                         h.diloco_sync_delay < h.diloco_sync_every / h.diloco_fragments);
        },
        "in [0, --diloco-sync-every / --diloco-fragments)"},
       {"diloco-outer-lr", &h.diloco_outer_lr, "DiLoCo outer Nesterov SGD learning rate", positive(&h.diloco_outer_lr),
@@ -254,6 +256,10 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"timeline-step", &h.timeline_step,
        "write that step's GPU schedule to <log-dir>/timeline_rank<r>_step<N>.json (0: none)",
        non_negative(&h.timeline_step), "non-negative"},
+      {"profile-step", &h.profile_step,
+       "bracket that step, synchronised, with cudaProfilerStart/Stop for a profiler that honours them "
+       "(tools/kernel_profile.so; 0: none)",
+       non_negative(&h.profile_step), "non-negative"},
       {"stall-timeout", &h.stall_timeout,
        "seconds without progress (a hung collective) after which a rank exits 75 (0: never)",
        non_negative(&h.stall_timeout), "non-negative"},
@@ -274,6 +280,9 @@ T parse_number(const std::string& flag, const std::string& text) {
     value = std::strtod(text.c_str(), &stop);
     r = {stop, errno == ERANGE ? std::errc::result_out_of_range : std::errc()};
     if (text.empty()) r.ec = std::errc::invalid_argument;
+    // strtod reads "inf" and "nan", which pass a "> 0" requirement: no setting takes them
+    if (r.ec == std::errc() && stop == end && !std::isfinite(value))
+      throw FlagError("--" + flag + ": '" + text + "' is not a finite number");
   } else {
     r = std::from_chars(text.data(), end, value);
   }
@@ -349,6 +358,13 @@ inline std::string unexpected_argument(const std::string& arg, const std::string
 // values and values outside their range. Returns false when --help was asked.
 inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
   std::vector<Flag> flags = flag_table(h);
+  auto is_flag = [&](const std::string& word) {
+    if (word == "--help" || word == "-h") return true;
+    if (word.rfind("--", 0) != 0) return false;
+    const std::string name = word.substr(2, word.find('=') - 2);  // npos - 2: to the end
+    return std::any_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == name; });
+  };
+  std::vector<std::string> given;  // the flags on the command line, in order
   std::string after_value_of;  // the flag whose value argv[i - 1] was
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -364,6 +380,7 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
     }
     auto flag = std::find_if(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == name; });
     if (flag == flags.end()) throw FlagError("unknown flag --" + name + " (--help lists them)");
+    given.push_back(name);
     if (std::holds_alternative<bool*>(flag->field)) {
       if (inline_value) throw FlagError("--" + name + " takes no value");
       *std::get<bool*>(flag->field) = true;
@@ -372,6 +389,9 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
     if (!inline_value) {
       if (i + 1 >= argc) throw FlagError("--" + name + " needs a value");
       value = argv[++i];
+      if (is_flag(value))  // `--checkpoint-dir --resume` would make a folder named --resume
+        throw FlagError("--" + name + " needs a value, but the next word, " + value + ", is a flag (a value that " +
+                        "starts with -- goes as --" + name + "=" + value + ")");
       after_value_of = name;
     }
     std::visit(
@@ -384,12 +404,24 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
   }
   for (const Flag& f : flags)
     if (f.valid && !f.valid()) throw FlagError("--" + f.name + " = " + flag_value_text(f) + ": must be " + f.requirement);
+  // Settings of a feature that is off would be silently ignored: say so instead (after the values'
+  // own checks, whose rules for DiLoCo's shape hold only with DiLoCo on).
+  for (const std::string& name : given) {
+    if (name.rfind("rekls-", 0) == 0 && h.matrix_optimizer != "rekls")
+      throw FlagError("--" + name + " has no effect without --matrix-optimizer rekls");
+    if (name.rfind("diloco-", 0) == 0 && name != "diloco-groups" && h.diloco_groups <= 1)
+      throw FlagError("--" + name + " has no effect without --diloco-groups 2 or more");
+  }
   if (h.val_tokens % h.val_seq_len != 0)
     throw FlagError("--val-tokens " + std::to_string(h.val_tokens) + " is not a multiple of --val-seq-len " +
                     std::to_string(h.val_seq_len));
   if (h.timeline_step > h.num_iterations)
     throw FlagError("--timeline-step " + std::to_string(h.timeline_step) + " is past the run's last step " +
                     "(--num-iterations " + std::to_string(h.num_iterations) + "): no trace would be written");
+  if (h.profile_step > h.num_iterations)
+    throw FlagError("--profile-step " + std::to_string(h.profile_step) + " is past the run's last step " +
+                    "(--num-iterations " + std::to_string(h.num_iterations) +
+                    "): nothing would be profiled");
   return true;
 }
 
@@ -919,6 +951,7 @@ struct Activations {
   bf16 *dx, *dx0, *dh, *dy, *dq, *dk, *dv, *dqkv, *du;  // dqkv [T, 3d], du [T, F]
   std::vector<bf16*> dskip;    // [num_skips]: gradient waiting for the skip's source layer
   float* delta;                // [H, T]
+  float* embedding_scratch;    // [EmbeddingBackwardPlan::scratch_rows(T), d]: split tokens' segment sums
   float* reduction_scratch;    // per-block partial sums of the scalar gradients
   float* cos_sin;              // [T, 64, 2] rope table
   std::unique_ptr<Fp8Head> fp8_head;  // the FP8 operands of one head chunk and of lm_head (or null)
@@ -944,6 +977,8 @@ struct Activations {
       du = m.alloc<bf16>("mlp gradient", tf);
       for (bf16*& b : dskip) b = m.alloc<bf16>("skip gradient", td);
       delta = m.alloc<float>("attention delta", size_t(T) * c.num_heads);
+      embedding_scratch = m.alloc<float>("embedding backward segment sums",
+                                         EmbeddingBackwardPlan::scratch_rows(T) * c.model_dim);
     }
     if (backward && fp8_head) this->fp8_head = std::make_unique<Fp8Head>(std::min(T, kHeadChunkRows), c.vocab_size, c.model_dim);
     reduction_scratch = m.alloc<float>("scalar-gradient partial sums", 2 * kScalarReductionBlocks);
@@ -1189,7 +1224,7 @@ class GPT {
       TimelineSpan span(timeline_, "compute", "backward embedding", stream_);
       add_into(a.dx, a.dx0, td(), stream_);
       rmsnorm_backward(a.embedded, a.dx0, a.dh, T_, d, /*accumulate=*/false, stream_);
-      embedding_backward(*plan.embedding_rows, a.dh, params.embedding_grad(-1), nullptr, d, stream_);
+      embedding_backward(*plan.embedding_rows, a.dh, params.embedding_grad(-1), nullptr, d, a.embedding_scratch, stream_);
     }
     gradients_done_(-1);
   }
@@ -1217,7 +1252,9 @@ class GPT {
     const bf16* ve = table >= 0 ? a.value_embedded[table] : nullptr;
     weighted_sum_backward(a.dv, l.qkv + 2 * d, scalar(s0), scalar_grad(s0), ve, scalar(s1), ve ? scalar_grad(s1) : nullptr,
                           a.dqkv + 2 * d, nullptr, /*accumulate_dy=*/false, T_, d, 3 * d, a.reduction_scratch, stream_);
-    if (ve) embedding_backward(*plan.embedding_rows, a.dv, params.embedding_grad(table), scalar(s1), d, stream_);
+    if (ve)
+      embedding_backward(*plan.embedding_rows, a.dv, params.embedding_grad(table), scalar(s1), d, a.embedding_scratch,
+                         stream_);
     qk_norm_rope_backward(l.qkv, a.dq, a.dk, a.cos_sin, a.dqkv, T_, c_.num_heads, stream_);
     linear_backward(l.h_attn, params.weight(ParamKind::qkv, i), a.dqkv, a.dh, params.grad(ParamKind::qkv, i), 3 * d, d);
     rmsnorm_backward(l.x_mixed, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
@@ -1743,15 +1780,27 @@ inline DiLoCoSettings diloco_settings(const Hyperparameters& h) {
   return s;
 }
 
-// DiLoCo's fragments: blocks i * F / num_layers, the token and value embeddings with fragment 0
-// (the input side), lm_head and the scalars with fragment F - 1; each in parameter order.
+// DiLoCo's fragments, balanced by element count so that each sync sends about 1/F of the model:
+// whole parameters, the largest first (ties in parameter order), each to the fragment holding the
+// fewest elements so far (ties to the lowest); each fragment in parameter order. At F = 3 the five
+// 38.6M-element tables (embeddings and head) split 2, 2, 1 and the blocks fill the rest
+// (docs/DILOCO.md has the sizes).
 inline std::vector<std::vector<ParamStorage>> diloco_fragments(const ParameterStore& s, int fragments) {
-  const int num_layers = num_blocks_of(s.list);
+  std::vector<size_t> by_size(s.list.size());
+  std::iota(by_size.begin(), by_size.end(), size_t(0));
+  std::stable_sort(by_size.begin(), by_size.end(),
+                   [&](size_t a, size_t b) { return s.list[a].numel > s.list[b].numel; });
+  std::vector<int> fragment_of(s.list.size());
+  std::vector<size_t> elements(static_cast<size_t>(fragments), 0);
+  for (size_t i : by_size) {
+    fragment_of[i] = int(std::min_element(elements.begin(), elements.end()) - elements.begin());
+    elements[size_t(fragment_of[i])] += size_t(s.list[i].numel);
+  }
   std::vector<std::vector<ParamStorage>> list(static_cast<size_t>(fragments));
-  for (const Param& p : s.list) {
-    const int f = p.is_embedding() ? 0 : p.layer < 0 ? fragments - 1 : p.layer * fragments / num_layers;
+  for (size_t i = 0; i < s.list.size(); ++i) {
+    const Param& p = s.list[i];
     void* data = p.is_embedding() ? static_cast<void*>(s.embeddings + p.offset) : static_cast<void*>(s.master + p.offset);
-    list[size_t(f)].push_back({data, p.is_embedding(), size_t(p.numel)});
+    list[size_t(fragment_of[i])].push_back({data, p.is_embedding(), size_t(p.numel)});
   }
   return list;
 }
@@ -1897,6 +1946,13 @@ inline void check_data(const Hyperparameters& h) {
                                      "--warmup-steps"
                                    : " (fetch more shards, or shorten --num-iterations)"));
   const BatchPlan val = data_plan("val-files", h.val_files, h.val_seq_len, int(h.val_tokens / h.val_seq_len));
+  for (const std::string& t : train.files())
+    for (const std::string& v : val.files()) {
+      std::error_code error;
+      if (std::filesystem::equivalent(t, v, error))
+        throw DataError(v + " is matched by both --train-files '" + h.train_files + "' and --val-files '" + h.val_files +
+                        "': the validation loss would measure training data");
+    }
   val.windows_available();
   train.scan_all_tokens();
   val.scan_all_tokens();
@@ -2207,7 +2263,7 @@ class TrainingRun {
       const bool last = step == h_.num_iterations;
       const std::string at = "step " + std::to_string(step) + ": ";
       if (last && diloco_ && step > counters_.step) {  // one model at the end (a resume here has it already)
-        beat(at + "final DiLoCo sync");
+        beat(at + "final DiLoCo average");
         for (const std::string& line : diloco_->finish(step, 0)) say(line);
       }
       if (last || step == 0 || (h_.val_every > 0 && step % h_.val_every == 0)) {
@@ -2278,7 +2334,11 @@ class TrainingRun {
       throw CheckpointError("--resume: the ranks' newest checkpoints are of different steps (rank " +
                             std::to_string(comm_->rank()) + " has step " + std::to_string(step) + ")");
     restore_state(point.checkpoint, point.path, state_, model_.params);
-    if (diloco_) diloco_->resumed_at(step);
+    if (diloco_) try {
+        diloco_->resumed_at(step);
+      } catch (const std::runtime_error& e) {
+        throw CheckpointError(point.path + ": " + e.what());
+      }
     counters_.step = step;
     last_checkpoint_ = point.path;
     say("resumed from " + point.path + " at step " + std::to_string(step) +
@@ -2334,9 +2394,12 @@ class TrainingRun {
     model_.set_timeline(timeline.get());
     optimizers_.set_timeline(timeline.get());
     if (diloco_) diloco_->set_timeline(timeline.get());
+    const bool profiled = step + 1 == h_.profile_step;
+    if (profiled) profiler_range_edge(/*start=*/true);
     auto start = std::chrono::steady_clock::now();
     double loss_sum = train_step(model_, train_, optimizers_, batch, step, schedule_, paths_.fp8_head, 0);
     const std::string sync_line = diloco_ ? diloco_->after_step(step + 1, 0) : "";
+    if (profiled) profiler_range_edge(/*start=*/false);
     double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (timeline) write_timeline(*timeline, step + 1);
     // the console's mean over ranks; a NaN anywhere stops all
@@ -2380,13 +2443,23 @@ class TrainingRun {
 
 // Everything that can be checked without the GPU is checked first, so that bad input is named
 // before minutes of initialisation (and on machines without a GPU).
+// The launcher's environment (RANK, WORLD_SIZE, MASTER_PORT, ...); a value that cannot be is a bad
+// setting, as a bad flag is (exit 2).
+inline ProcessGroupEnv launcher_environment() {
+  try {
+    return process_group_from_env();
+  } catch (const std::invalid_argument& e) {
+    throw FlagError(e.what());
+  }
+}
+
 int run_training(const Hyperparameters& h) {
   if (h.self_check_only) {  // no data, no ranks: this GPU's fast paths alone
-    require_hopper_gpu(select_gpu(process_group_from_env().local_rank));
+    require_hopper_gpu(select_gpu(launcher_environment().local_rank));
     return self_check_alone(h);
   }
   check_data(h);
-  const ProcessGroupEnv g = process_group_from_env();
+  const ProcessGroupEnv g = launcher_environment();
   const std::string diloco_problem = diloco_settings_problem(diloco_settings(h), g.world_size, GPTConfig().num_layers);
   if (!diloco_problem.empty()) throw FlagError(diloco_problem);
   check_output_folders(h, g);

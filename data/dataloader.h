@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -41,6 +42,12 @@ inline std::vector<std::string> list_shards(const std::string& pattern) {
     for (size_t i = 0; i < g.gl_pathc; ++i) files.emplace_back(g.gl_pathv[i]);
   globfree(&g);
   if (files.empty()) throw DataError("no files match pattern '" + pattern + "'");
+  for (const std::string& f : files) {  // a named pipe would block the scan of every shard, silently
+    std::error_code error;
+    if (!std::filesystem::is_regular_file(f, error))
+      throw DataError(f + " (matched by '" + pattern + "') is not a regular file: a shard must be a file, not a named " +
+                      "pipe, device or folder");
+  }
   std::sort(files.begin(), files.end());
   return files;
 }
@@ -167,6 +174,7 @@ class BatchPlan {
 
   int64_t micro_len() const { return micro_len_; }
   int micro_count() const { return micro_count_; }
+  const std::vector<std::string>& files() const { return files_; }
   static int rank_of_micro(int j, int world_size) { return j % world_size; }
 
  private:

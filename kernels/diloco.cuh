@@ -12,6 +12,7 @@
 // The exchange starts after its sync step and is applied d steps later (0 <= d < H/F), the steps
 // between hiding the network; the local parameters at that point are mixed, so with α = 0 the
 // local progress of those d steps is replaced. One exchange is in flight at a time.
+// At the end of training every fragment takes the groups' plain average (finish, below).
 //
 // Sharding: rank l of a group owns the l-th of L equal slices of each fragment's elements (the
 // fragment's parameters back to back, in parameter order), holds the global copy and the outer
@@ -113,10 +114,15 @@ __global__ void pseudo_gradient_kernel(const T* local, const float* global, floa
 }
 
 // m = mu m + avg; global -= lr (avg + mu m), avg = sum / divisor; reset: m starts from 0 (a fault).
+// momentum null: global -= lr avg, the momentum neither read nor written (the final average).
 __global__ void outer_nesterov_kernel(const float* sum, float divisor, float* momentum, float* global, size_t n,
                                       float lr, float mu, bool reset) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float avg = sum[i] / divisor;
+    if (!momentum) {
+      global[i] -= lr * avg;
+      continue;
+    }
     const float m = mu * (reset ? 0.0f : momentum[i]) + avg;
     momentum[i] = m;
     global[i] -= lr * (avg + mu * m);
@@ -203,37 +209,53 @@ class DiLoCo {
   // applies the exchange due now, starts the one due now. Returns the log line of an applied sync.
   std::string after_step(int steps_done, cudaStream_t stream) {
     std::string line;
-    if (pending_ && pending_->apply_at <= steps_done) line = apply(steps_done, s_.alpha, stream);
+    if (pending_ && pending_->apply_at <= steps_done) line = apply(steps_done, stream, Outer::nesterov);
     const int f = diloco_fragment_starting(s_, steps_done);
     if (f >= 0) {
       start(f, steps_done, stream);
-      if (pending_->apply_at <= steps_done) line = apply(steps_done, s_.alpha, stream);
+      if (pending_->apply_at <= steps_done) line = apply(steps_done, stream, Outer::nesterov);
     }
     return line;
   }
 
-  // At the end of training: the exchange in flight is applied, then every fragment syncs once more
-  // and takes its global copy (α = 0), so that every group ends with the same parameters.
+  // At the end of training every group must hold the same model: each fragment takes the groups'
+  // plain average. Δ̄ = global − mean(local), so an outer step of lr 1 without momentum lands on
+  // mean(local) (then α = 0); the outer momentum is left as it is. Not one more outer Nesterov step:
+  // a fragment that synced on the last step has Δ̄ ≈ 0, so that step would be lr·μ·m alone, an
+  // extrapolation with no inner step after it, which made the model worse in every configuration
+  // tried (docs/DILOCO.md). The exchange in flight, if any, is dropped: the average of the newer
+  // parameters supersedes it.
   std::vector<std::string> finish(int steps_done, cudaStream_t stream) {
     std::vector<std::string> lines;
-    if (pending_) lines.push_back(apply(steps_done, s_.alpha, stream));
+    if (pending_) {
+      CUDA_CHECK(cudaStreamWaitEvent(stream, exchanged_, 0));  // its buffers are reused below
+      lines.push_back("diloco: the exchange of fragment " + std::to_string(pending_->fragment) + " started after step " +
+                      std::to_string(pending_->started) + " is dropped: the final average supersedes it");
+      set_pending(std::nullopt);
+    }
     for (int f = 0; f < s_.fragments; ++f) {
       start(f, steps_done, stream);
-      lines.push_back(apply(steps_done, 0.0, stream));
+      lines.push_back(apply(steps_done, stream, Outer::final_average));
     }
     return lines;
   }
 
-  // After a resume at `steps_done`: the exchange the checkpoint holds in flight (its sum, complete).
+  // After a resume at `steps_done` (its checkpoint restored into state_buffers()): the exchange the
+  // checkpoint recorded in flight, whose sum it holds, is applied when due; none after finish().
   void resumed_at(int steps_done) {
-    pending_.reset();
-    const int started = steps_done / s_.period() * s_.period();
-    const int f = diloco_fragment_starting(s_, started);
-    if (f >= 0 && diloco_apply_step(s_, started) > steps_done) pending_ = Pending{f, started, diloco_apply_step(s_, started)};
+    const int f = in_flight_[0], started = in_flight_[1];  // as the checkpoint restored them
+    set_pending(std::nullopt);
+    if (f >= 0) {
+      if (f >= s_.fragments || started > steps_done || started <= 0)
+        throw std::runtime_error("--resume: the checkpoint's DiLoCo exchange in flight (fragment " + std::to_string(f) +
+                                 ", started after step " + std::to_string(started) + ") does not fit these settings at step " +
+                                 std::to_string(steps_done));
+      set_pending(Pending{f, started, diloco_apply_step(s_, started)});
+    }
   }
 
-  // The state a checkpoint carries: each fragment's global slice and outer momentum, and the sum of
-  // the exchange in flight.
+  // The state a checkpoint carries: each fragment's global slice and outer momentum, the sum of
+  // the exchange in flight, and which one that is (fragment, step started; -1: none).
   struct Buffer {
     std::string name;
     void* data;
@@ -247,6 +269,8 @@ class DiLoCo {
       state.push_back({at + " outer momentum", slices_[f].momentum, slices_[f].share * sizeof(float)});
     }
     state.push_back({"diloco exchange in flight", received_, largest_share() * sizeof(float)});
+    state.push_back({"diloco exchange in flight: fragment, step started", const_cast<int32_t*>(in_flight_),
+                     sizeof in_flight_});
     return state;
   }
 
@@ -267,6 +291,15 @@ class DiLoCo {
   struct Pending {
     int fragment, started, apply_at;
   };
+  enum class Outer { nesterov, final_average };
+
+  // The exchange in flight, and its record for a checkpoint (host memory, which checkpoints copy as
+  // they copy device buffers).
+  void set_pending(std::optional<Pending> p) {
+    pending_ = p;
+    in_flight_[0] = p ? p->fragment : -1;
+    in_flight_[1] = p ? p->started : 0;
+  }
 
   template <typename T>
   T* alloc(size_t count) {
@@ -330,32 +363,41 @@ class DiLoCo {
       across_.all_reduce_sum(send_, received_, sl.share, DeviceDType::f32, exchange_stream_);
     }
     CUDA_CHECK(cudaEventRecord(exchanged_, exchange_stream_));
-    pending_ = Pending{f, steps_done, diloco_apply_step(s_, steps_done)};
+    set_pending(Pending{f, steps_done, diloco_apply_step(s_, steps_done)});
   }
 
   // The exchange in flight, once in, applied (outer_step); returns its log line.
-  std::string apply(int steps_done, double alpha, cudaStream_t stream) {
+  std::string apply(int steps_done, cudaStream_t stream, Outer outer) {
     const Pending p = *pending_;
-    pending_.reset();
+    set_pending(std::nullopt);
     Slices& sl = slices_[size_t(p.fragment)];
     CUDA_CHECK(cudaStreamWaitEvent(stream, exchanged_, 0));
     const int G = across_.world_size();
-    outer_step(sl, alpha, stream);
+    outer_step(sl, outer, stream);
     float norm = 0;
     CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof norm, cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     const double norm_of_average = std::sqrt(group_.all_reduce_sum(double(norm) * norm)) / G;
     char line[256];
-    std::snprintf(line, sizeof line,
-                  "diloco: fragment %d synced after step %d (exchange started after step %d): pseudo-gradient norm "
-                  "%.4e, %.1f MB sent across groups by each rank",
-                  p.fragment, steps_done, p.started, norm_of_average, bytes_sent_per_exchange(p.fragment) / 1e6);
+    if (outer == Outer::final_average)
+      std::snprintf(line, sizeof line,
+                    "diloco: fragment %d averaged over the groups after step %d, the end of training: distance to the "
+                    "global copy %.4e",
+                    p.fragment, steps_done, norm_of_average);
+    else
+      std::snprintf(line, sizeof line,
+                    "diloco: fragment %d synced after step %d (exchange started after step %d): pseudo-gradient norm "
+                    "%.4e, %.1f MB sent across groups by each rank",
+                    p.fragment, steps_done, p.started, norm_of_average, bytes_sent_per_exchange(p.fragment) / 1e6);
     return line;
   }
 
   // On this rank's slice of a fragment whose exchange is in: Δ̄'s norm (for the log), the outer
-  // step, the mix into the local parameters, the group's gather.
-  void outer_step(Slices& sl, double alpha, cudaStream_t stream) {
+  // step (or, at the end, the step of lr 1 without momentum that lands on the groups' average), the
+  // mix into the local parameters (α = 0 at the end), the group's gather.
+  void outer_step(Slices& sl, Outer outer, cudaStream_t stream) {
+    const bool average = outer == Outer::final_average;
+    const double alpha = average ? 0.0 : s_.alpha;
     TimelineSpan span(timeline_, "compute", "diloco outer step", stream);
     const int G = across_.world_size();
     const size_t valid = my_valid(sl);
@@ -363,8 +405,8 @@ class DiLoCo {
     frobenius_norms_kernel<<<1, kFrobeniusThreads, 0, stream>>>(received_, valid, norm_);
     CUDA_CHECK_LAUNCH();
     outer_nesterov_kernel<<<elementwise_grid(valid), 256, 0, stream>>>(
-        received_, divisor, sl.momentum, sl.global, valid, float(s_.outer_lr), float(s_.outer_momentum),
-        injected_fault() == Fault::diloco_momentum_reset);
+        received_, divisor, average ? nullptr : sl.momentum, sl.global, valid, average ? 1.0f : float(s_.outer_lr),
+        float(s_.outer_momentum), injected_fault() == Fault::diloco_momentum_reset);
     CUDA_CHECK_LAUNCH();
     // the mix is written in place; the fault writes it to a copy (send_), as torchft#233 fixed
     const bool to_copy = injected_fault() == Fault::diloco_mix_to_copy;
@@ -405,7 +447,8 @@ class DiLoCo {
   bf16* traffic_ = nullptr;            // [2 x largest share] bf16 exchange
   float* gathered_ = nullptr;          // [L x largest share] the group's mixed slices
   float* norm_ = nullptr;              // [1] the norm of this rank's summed slice
-  std::optional<Pending> pending_;
+  std::optional<Pending> pending_;     // set only through set_pending
+  int32_t in_flight_[2] = {-1, 0};     // pending_'s fragment (-1: none) and step started, for checkpoints
   cudaStream_t exchange_stream_ = nullptr;
   cudaEvent_t ready_ = nullptr, exchanged_ = nullptr;
   std::vector<void*> owned_, owned_host_;

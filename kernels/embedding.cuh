@@ -1,6 +1,7 @@
 // Token embedding and the value embeddings (SPEC 1.2): a row gather forward; a deterministic
-// backward that sums each token's gradient rows in position order, one block per distinct token,
-// so no float atomics and bitwise-equal gradients run to run. The order comes from the host, which
+// backward that sums each token's gradient rows in position order, a block per segment of at most
+// kEmbeddingSegment positions of a token and a second pass over the segments of tokens that have
+// several, so no float atomics and bitwise-equal gradients run to run. The order comes from the host, which
 // holds every micro-sequence's tokens anyway (the attention masks are built from them too).
 #pragma once
 #include "kernels/cuda_check.cuh"
@@ -33,9 +34,20 @@ inline void embedding_forward(const uint16_t* tokens, const bf16* table, bf16* o
   CUDA_CHECK_LAUNCH();
 }
 
+// Positions a backward block sums at most. One block per distinct token let a frequent token
+// serialise the kernel: token 198 ("\n") occurs ~3,500 times in 49,152 tokens of text, and its block
+// alone took most of the 0.48 ms (docs/PERF.md, 2026-11-27). A token with more positions is split
+// into segments whose sums a second pass adds in segment order.
+constexpr int kEmbeddingSegment = 64;
+
 // The positions of a micro-sequence grouped by token: positions[begin[u] .. begin[u + 1]) are
-// where token tokens[u] occurs, in increasing order. Built on the host, uploaded once (into the
-// StagedUploads, valid until its next reset), shared by the four tables' backward passes.
+// where token tokens[u] occurs, in increasing order, cut into segments of at most
+// kEmbeddingSegment positions. Segment s covers slots [segment_begin[s], segment_begin[s + 1]) of
+// table row segment_row[s]; segment_partial[s] is -1 when it is its token's only segment (it adds
+// to the gradient itself), else the scratch row its sum goes to. A split token j (table row
+// split_row[j]) has its segments' sums in scratch rows [split_first[j], split_first[j + 1]).
+// Built on the host, uploaded once (into the StagedUploads, valid until its next reset), shared
+// by the four tables' backward passes.
 class EmbeddingBackwardPlan {
  public:
   EmbeddingBackwardPlan(const uint16_t* host_tokens, int T, int vocab_size, StagedUploads& uploads,
@@ -48,44 +60,67 @@ class EmbeddingBackwardPlan {
       ++count[host_tokens[t] + 1];
     }
     std::partial_sum(count.begin(), count.end(), count.begin());  // count[v]: first slot of token v
-    std::vector<int32_t> positions(T), tokens, begin;
+    std::vector<int32_t> positions(T), segment_begin, segment_row, segment_partial, split_row, split_first;
     for (int t = 0; t < T; ++t) positions[count[host_tokens[t]]++] = t;  // stable: increasing t per token
-    for (int v = 0, slot = 0; v < vocab_size; ++v)
-      if (count[v] > slot) {
-        tokens.push_back(v);
-        begin.push_back(slot);
-        slot = count[v];
+    int scratch_rows_used = 0;
+    for (int v = 0, slot = 0; v < vocab_size; ++v) {
+      if (count[v] == slot) continue;
+      const bool split = count[v] - slot > kEmbeddingSegment;
+      if (split) {
+        split_row.push_back(v);
+        split_first.push_back(scratch_rows_used);
       }
-    begin.push_back(T);
-    distinct_ = int(tokens.size());
+      for (int first = slot; first < count[v]; first += kEmbeddingSegment) {
+        segment_begin.push_back(first);
+        segment_row.push_back(v);
+        segment_partial.push_back(split ? scratch_rows_used++ : -1);
+      }
+      slot = count[v];
+    }
+    split_first.push_back(scratch_rows_used);
+    segment_begin.push_back(T);
+    segments_ = int(segment_row.size());
+    splits_ = int(split_row.size());
     positions_ = uploads.upload(positions, stream);
-    tokens_ = uploads.upload(tokens, stream);
-    begin_ = uploads.upload(begin, stream);
+    segment_begin_ = uploads.upload(segment_begin, stream);
+    segment_row_ = uploads.upload(segment_row, stream);
+    segment_partial_ = uploads.upload(segment_partial, stream);
+    split_row_ = uploads.upload(split_row, stream);
+    split_first_ = uploads.upload(split_first, stream);
   }
   // At most what the constructor stages for T tokens, for StagedUploads::reset.
-  static size_t upload_bytes(int T) {
-    return 3 * StagedUploads::bytes_for(size_t(T) + 1, sizeof(int32_t));
-  }
+  static size_t upload_bytes(int T) { return 6 * StagedUploads::bytes_for(size_t(T) + 1, sizeof(int32_t)); }
+  // The scratch rows split tokens need at most: a token of k > S positions has ceil(k / S) <= 2k / S
+  // segments (S = kEmbeddingSegment), and the k add up to at most T.
+  static size_t scratch_rows(int T) { return size_t(2) * T / kEmbeddingSegment + 1; }
 
-  int distinct_tokens() const { return distinct_; }
-  const int32_t* positions() const { return positions_; }  // [T]
-  const int32_t* tokens() const { return tokens_; }        // [distinct]
-  const int32_t* begin() const { return begin_; }          // [distinct + 1]
+  int segments() const { return segments_; }
+  int split_tokens() const { return splits_; }
+  const int32_t* positions() const { return positions_; }            // [T]
+  const int32_t* segment_begin() const { return segment_begin_; }    // [segments + 1]
+  const int32_t* segment_row() const { return segment_row_; }        // [segments]
+  const int32_t* segment_partial() const { return segment_partial_; }  // [segments]
+  const int32_t* split_row() const { return split_row_; }            // [split tokens]
+  const int32_t* split_first() const { return split_first_; }        // [split tokens + 1]
 
  private:
-  int distinct_ = 0;
-  const int32_t *positions_ = nullptr, *tokens_ = nullptr, *begin_ = nullptr;
+  int segments_ = 0, splits_ = 0;
+  const int32_t *positions_ = nullptr, *segment_begin_ = nullptr, *segment_row_ = nullptr,
+                *segment_partial_ = nullptr, *split_row_ = nullptr, *split_first_ = nullptr;
 };
 
-constexpr int kEmbeddingRowGroups = 4;  // rows of one token summed in parallel, combined in fixed order
+constexpr int kEmbeddingRowGroups = 4;  // rows of one segment summed in parallel, combined in fixed order
 
-// grad[tokens[u], :] += scale * sum over its positions p of dout[p, :]. Block u, threadIdx.y picks
-// every kEmbeddingRowGroups-th position, threadIdx.x a 16-byte column vector; the partial sums of
-// the row groups are added in threadIdx.y order, so the result does not depend on scheduling.
-__global__ void embedding_backward_kernel(const int32_t* positions, const int32_t* tokens, const int32_t* begin,
-                                          const bf16* dout, float* grad, const float* scale, int d) {
+// Block s sums dout over segment s's positions: threadIdx.y picks every kEmbeddingRowGroups-th
+// position, threadIdx.x a 16-byte column vector, the row groups' partial sums added in threadIdx.y
+// order. A token's only segment adds scale times its sum to the token's gradient row; a segment
+// of a split token writes its sum to its scratch row. No float atomics: the result does not depend
+// on scheduling.
+__global__ void embedding_segment_kernel(const int32_t* positions, const int32_t* segment_begin,
+                                         const int32_t* segment_row, const int32_t* segment_partial, const bf16* dout,
+                                         float* grad, float* scratch, const float* scale, int d) {
   extern __shared__ float partial[];  // [kEmbeddingRowGroups, d]
-  const int u = blockIdx.x, first = begin[u], last = begin[u + 1];
+  const int s = blockIdx.x, first = segment_begin[s], last = segment_begin[s + 1];
   for (int c = threadIdx.x * 8; c < d; c += blockDim.x * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = first + threadIdx.y; k < last; k += kEmbeddingRowGroups) {
@@ -98,26 +133,47 @@ __global__ void embedding_backward_kernel(const int32_t* positions, const int32_
     for (int i = 0; i < 8; ++i) partial[threadIdx.y * d + c + i] = acc[i];
   }
   __syncthreads();
-  const float s = scale ? *scale : 1.0f;
-  float* row = grad + size_t(tokens[u]) * d;
+  const int to_scratch = segment_partial[s];
+  const float factor = to_scratch >= 0 ? 1.0f : scale ? *scale : 1.0f;
+  float* row = to_scratch >= 0 ? scratch + size_t(to_scratch) * d : grad + size_t(segment_row[s]) * d;
   for (int c = threadIdx.y * blockDim.x + threadIdx.x; c < d; c += blockDim.x * blockDim.y) {
     float sum = 0;
     for (int g = 0; g < kEmbeddingRowGroups; ++g) sum += partial[g * d + c];
-    row[c] += s * sum;
+    if (to_scratch >= 0) row[c] = sum;
+    else row[c] += factor * sum;
+  }
+}
+
+// Block j adds scale times the sum of split token j's segment sums, in segment order, to its row.
+__global__ void embedding_split_kernel(const int32_t* split_row, const int32_t* split_first, const float* scratch,
+                                       float* grad, const float* scale, int d) {
+  const int j = blockIdx.x, first = split_first[j], last = split_first[j + 1];
+  const float factor = scale ? *scale : 1.0f;
+  float* row = grad + size_t(split_row[j]) * d;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    float sum = 0;
+    for (int r = first; r < last; ++r) sum += scratch[size_t(r) * d + c];
+    row[c] += factor * sum;
   }
 }
 
 // dout [T, d] of one micro-sequence into the fp32 gradient table [V, d]; scale: a device scalar
-// (the value embedding's lambda) or null for 1.
+// (the value embedding's lambda) or null for 1; scratch: EmbeddingBackwardPlan::scratch_rows(T) x d
+// floats.
 inline void embedding_backward(const EmbeddingBackwardPlan& plan, const bf16* dout, float* grad, const float* scale,
-                               int d, cudaStream_t stream) {
+                               int d, float* scratch, cudaStream_t stream) {
   check_embedding_width(d);
-  if (plan.distinct_tokens() == 0) return;
+  if (plan.segments() == 0) return;
   dim3 block(std::min(((d / 8 + 31) / 32) * 32, 256), kEmbeddingRowGroups);
   size_t shared = size_t(kEmbeddingRowGroups) * d * sizeof(float);
   if (shared > 48 * 1024)  // the default dynamic shared memory limit, not raised for this kernel
     throw std::invalid_argument("embedding backward: width " + std::to_string(d) + " is above 3072");
-  embedding_backward_kernel<<<plan.distinct_tokens(), block, shared, stream>>>(plan.positions(), plan.tokens(),
-                                                                              plan.begin(), dout, grad, scale, d);
+  embedding_segment_kernel<<<plan.segments(), block, shared, stream>>>(plan.positions(), plan.segment_begin(),
+                                                                      plan.segment_row(), plan.segment_partial(), dout,
+                                                                      grad, scratch, scale, d);
+  CUDA_CHECK_LAUNCH();
+  if (plan.split_tokens() == 0) return;
+  embedding_split_kernel<<<plan.split_tokens(), 256, 0, stream>>>(plan.split_row(), plan.split_first(), scratch, grad,
+                                                                  scale, d);
   CUDA_CHECK_LAUNCH();
 }

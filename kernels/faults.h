@@ -26,6 +26,7 @@ enum class Fault {
   diloco_delay_wrong_step,     // an exchange is applied one step after its delay
   local_matrix_gradient,       // a hidden matrix's owner updates it (REKLS factors, moments) from its own partial sum
   rekls_rotation_untransposed, // REKLS rotates the update back by Q_L U Q_R instead of Q_L U Q_R^T
+  rekls_stale_eigenvalues,     // REKLS keeps the last refresh's eigenvalues between refreshes
 };
 
 inline Fault& injected_fault() {
@@ -64,6 +65,7 @@ inline const char* fault_name(Fault f) {
     case Fault::diloco_delay_wrong_step: return "diloco_delay_wrong_step";
     case Fault::local_matrix_gradient: return "local_matrix_gradient";
     case Fault::rekls_rotation_untransposed: return "rekls_rotation_untransposed";
+    case Fault::rekls_stale_eigenvalues: return "rekls_stale_eigenvalues";
   }
   return "?";
 }

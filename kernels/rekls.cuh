@@ -1,7 +1,7 @@
 // REKLS on the GPU for the matrices P [m, n] of one shape: the KL-Shampoo Kronecker factors
 // L [m, m] and R [n, n], their eigenbases Q_L, Q_R and eigenvalues from cuSOLVER in fp32 (syevd one
-// factor at a time, or syevBatched over all of a size at once), and Adam's moments M, V [m, n] in
-// the rotated basis. The equations, with the lines of NVIDIA's
+// factor at a time, or syevBatched over all of a size at once; between refreshes the eigenvalues
+// are diag(Q^T L Q) in the kept bases), and Adam's moments M, V [m, n] in the rotated basis. The equations, with the lines of NVIDIA's
 // implementation they come from, are in the CPU reference (tests/reference/rekls.h), which the
 // GPU test compares against. Every product is an fp32 cuBLASLt matmul (no TF32): the factors
 // span ~1e8 after the first step's clamped eigenvalues, and the eigenbasis needs their low bits.
@@ -101,6 +101,16 @@ __global__ void rekls_kl_scale_kernel(const float* x, float* out, int rows, int 
   }
 }
 
+// lam[j] = (Q^T A Q)[j, j] = sum_i Q[i, j] (A Q)[i, j], AQ = A Q [k, k]: a factor's eigenvalues
+// in a kept basis. A thread per column, the rows in order.
+__global__ void rekls_diagonal_in_basis_kernel(const float* Q, const float* AQ, float* lam, int k) {
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < k; j += gridDim.x * blockDim.x) {
+    float sum = 0;
+    for (int i = 0; i < k; ++i) sum += Q[size_t(i) * k + j] * AQ[size_t(i) * k + j];
+    lam[j] = sum;
+  }
+}
+
 // syevd's ascending eigenvalues w and eigenvectors (column-major, i.e. row j of `vectors` is the
 // j-th) into Q [k, k] (columns, descending: torch.linalg.eigh flipped, utils/eig.py:67-69) and lam.
 __global__ void rekls_descending_basis_kernel(const float* vectors, const float* w, float* Q, float* lam, int k) {
@@ -179,7 +189,11 @@ class Rekls {
     for (const ReklsMatrix& x : matrices) {
       const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
       update_factors(x, m, n, cfg, step);
-      if (!refresh) continue;
+      if (!refresh) {
+        eigenvalues_in_basis({s.L, s.QL, s.lam_L}, m);
+        eigenvalues_in_basis({s.R, s.QR, s.lam_R}, n);
+        continue;
+      }
       rotate_moment_out(s, m, n);
       left.push_back({s.L, s.QL, s.lam_L});
       right.push_back({s.R, s.QR, s.lam_R});
@@ -239,6 +253,15 @@ class Rekls {
     rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x_, y_, m, n, s.lam_L, true, float(m), cfg.eps);
     CUDA_CHECK_LAUNCH();
     product(x_, Transpose::T, y_, Transpose::N, s.R, n, n, m, 1 - b, b);
+  }
+
+  // Between refreshes, the eigenvalues the next step's KL rule uses: diag(Q^T A Q) of the updated
+  // factor in its kept basis (syevd's scratch holds A Q: no solver runs on such a step).
+  void eigenvalues_in_basis(const Factor& f, int k) {
+    if (injected_fault() == Fault::rekls_stale_eigenvalues) return;
+    product(f.factor, Transpose::N, f.Q, Transpose::N, vectors_, k, k, k);
+    rekls_diagonal_in_basis_kernel<<<(k + 255) / 256, 256, 0, stream_>>>(f.Q, vectors_, f.lam, k);
+    CUDA_CHECK_LAUNCH();
   }
 
   // On a refresh, M out of the old basis before the decompositions and into the new one after.

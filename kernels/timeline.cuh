@@ -5,6 +5,8 @@
 #pragma once
 #include "kernels/cuda_check.cuh"
 
+#include <cuda_profiler_api.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -96,3 +98,11 @@ class TimelineSpan {
   cudaStream_t stream_;
   size_t span_ = 0;
 };
+
+// The edges of a profiled range (--profile-step): the device idle at both, so that a profiler that
+// honours cudaProfilerStart/Stop (tools/kernel_profile.so, ncu --profile-from-start off) sees that
+// range's work alone and its wall time equals the work's.
+inline void profiler_range_edge(bool start) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(start ? cudaProfilerStart() : cudaProfilerStop());
+}

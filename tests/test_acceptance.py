@@ -1,8 +1,10 @@
 """tools/acceptance.sh without a GPU: phase selection, the report's sections and tables, each phase's
 verdict and the exit status, the oracle's runs over NCCL ranks and their comparison (the real
 tools/compare_checkpoints.py). The script runs in a copy of the repository's layout in which the
-GPU machine's commands are stand-ins: nvidia-smi, nvcc, cmake and ctest on PATH; run.sh (the
-trainer's self-check and the oracle's runs, writing checkpoints), the smoke run, the benchmarks.
+GPU machine's commands are stand-ins: nvidia-smi, nvcc, cmake, ctest and ncu on PATH; run.sh (the
+trainer's self-check and the oracle's runs, writing checkpoints), the smoke run, the benchmarks, the
+trainer and the record's code (their step lines and, profiled, kernel_profile's file) for the anchor
+and profile phases, summed by the real tools/profile_summary.py.
 Exits 77 (skipped) without numpy, which the comparison needs."""
 import json
 import os
@@ -24,6 +26,31 @@ except ImportError:
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(ROOT, "tools", "acceptance.sh")
+
+# The trainer and the record's code for the anchor and profile phases: step lines of STEP_MS each
+# into the log folder (the trainer's --log-dir, the record's too); profiled (CUDA_INJECTION64_PATH
+# and --profile-step), kernel_profile's file: the step's range and three kernels.
+PROGRAM = """\
+    import os, sys
+    args = sys.argv[1:]
+    flag = lambda name: args[args.index(name) + 1]
+    M, N, folder = int(flag("--micro-batches")), int(flag("--num-iterations")), flag("--log-dir")
+    with open(os.environ["FAKE_CALLS"] + ".programs", "a") as calls:
+        calls.write(os.path.basename(sys.argv[0]) + " " + " ".join(args) + "\\n")
+    step_ms = STEP_MS
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "run-id.txt"), "w") as log:
+        log.write("step:0/%d val_loss:10.8 train_time:0ms step_avg:0.00ms\\n" % N)  # no step line
+        for step in range(1, N + 1):
+            log.write("step:%d/%d train_time:%dms step_avg:%.2fms\\n" % (step, N, step * step_ms, step_ms))
+    if os.environ.get("CUDA_INJECTION64_PATH") and "--profile-step" in args:
+        ns = step_ms * 1000000
+        with open(os.environ["KERNEL_PROFILE_OUT"], "w") as out:
+            out.write("range,0,0,%d\\n" % ns)
+            out.write("kernel,0,%d,7,void flash::backward_dkv_kernel<true>(const __nv_bfloat16*)\\n" % (ns // 2))
+            out.write("kernel,%d,%d,7,void flash::backward_dkv_kernel<true>(const __nv_bfloat16*)\\n" % (ns // 2, ns * 3 // 4))
+            out.write("kernel,%d,%d,7,void add_into_kernel(const __nv_bfloat16*)\\n" % (ns * 3 // 4, ns * 9 // 10))
+    """
 
 STAND_INS = {
     # nvidia-smi: FAKE_GPUS H100s (none: it fails as without a driver).
@@ -137,7 +164,18 @@ STAND_INS = {
             cf.write_checkpoint(f"{folder}/step_{step:06d}.ckpt", step,
                                 cf.parameter_blobs(cf.TINY_EMBEDDINGS, masters, cf.TINY_LAYOUT))
         """,
-    "build/train_gpt": "#!/usr/bin/env bash\n",
+    "build/train_gpt": PROGRAM.replace("STEP_MS", "90 * M + 10"),  # 730 ms at M = 8, 100 at M = 1
+    "tools/record_pytorch.py": PROGRAM.replace("STEP_MS", "95 * M + 25"),  # 785 and 120
+    # ncu: FAKE_NCU=fail answers as on a machine whose counters cannot be read.
+    "bin/ncu": """\
+        #!/usr/bin/env bash
+        echo "ncu $*" >>"$FAKE_CALLS.commands"
+        if [[ ${FAKE_NCU:-} == fail ]]; then echo "==ERROR== ERR_NVGPUCTRPERM: no permission"; exit 1; fi
+        echo "==PROF== Connected to process 1"
+        echo '"ID","Kernel Name","gpu__time_duration.sum","sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"'
+        echo '"","","us","%"'
+        echo '"0","void softcap_cross_entropy_kernel<S>(const __nv_bfloat16*)","600","75"'
+        """,
 }
 
 
@@ -146,19 +184,22 @@ class AcceptanceTest(unittest.TestCase):
         self.root = tempfile.mkdtemp(prefix="acceptance_")
         self.addCleanup(shutil.rmtree, self.root)
         self.repo = os.path.join(self.root, "repo")
-        for tool in ("acceptance.sh", "compare_checkpoints.py"):
+        for tool in ("acceptance.sh", "compare_checkpoints.py", "profile_summary.py", "timeline_summary.py"):
             os.makedirs(os.path.join(self.repo, "tools"), exist_ok=True)
             shutil.copy(os.path.join(ROOT, "tools", tool), os.path.join(self.repo, "tools", tool))
         for path, text in STAND_INS.items():
             full = os.path.join(self.repo, path)
             os.makedirs(os.path.dirname(full), exist_ok=True)
             text = textwrap.dedent(text)
-            if path.endswith(".py") or path == "run.sh":
+            if path.endswith(".py") or path in ("run.sh", "build/train_gpt"):
                 text = f"#!{sys.executable}\n" + text
             with open(full, "w") as f:
                 f.write(text)
             os.chmod(full, os.stat(full).st_mode | stat.S_IXUSR)
         os.symlink(sys.executable, os.path.join(self.repo, "bin", "python3"))  # this Python has numpy
+        for path in ("corpus-bin/corpus_train_000001.bin", ".carry/anchor/train_gpt.py"):  # staged there
+            os.makedirs(os.path.dirname(os.path.join(self.repo, path)), exist_ok=True)
+            open(os.path.join(self.repo, path), "w").close()
         self.calls = os.path.join(self.root, "calls.jsonl")
         self.report = os.path.join(self.root, "report.md")
 
@@ -190,17 +231,18 @@ class AcceptanceTest(unittest.TestCase):
     def test_an_unknown_phase_is_a_usage_error(self):
         status, _, output = self.acceptance("build", "benchmarks")
         self.assertEqual(status, 2)
-        self.assertIn("[build|tests|slow|smoke|self-check|bench|nccl]...", output)
+        self.assertIn("[build|tests|slow|smoke|self-check|bench|anchor|profile|nccl]...", output)
         self.assertEqual(self.commands(), "")
 
     def test_without_a_gpu_the_gpu_phases_say_so_and_build_nothing(self):
-        status, report, output = self.acceptance("tests", "slow", "smoke", "self-check", "bench", "nccl")
+        phases = ("tests", "slow", "smoke", "self-check", "bench", "anchor", "profile", "nccl")
+        status, report, output = self.acceptance(*phases)
         self.assertEqual(status, 77, output)
         self.assertIn("- GPUs: none (nvidia-smi lists no GPU)", report)
-        for phase in ("tests", "slow", "smoke", "self-check", "bench", "nccl"):
+        for phase in phases:
             self.assertIn(f"## {phase}\n", report)
             self.assertIn(f"**{phase}: no GPU: skipped**", report)
-        self.assertEqual(report.count("No GPU (nvidia-smi lists none): skipped."), 6)
+        self.assertEqual(report.count("No GPU (nvidia-smi lists none): skipped."), 8)
         self.assertNotIn("--build", self.commands())
         self.assertNotIn("ctest", self.commands())
         self.assertEqual(self.run_sh_calls(), [])
@@ -213,9 +255,9 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("- GPUs (index, name, driver, memory):\n  - 0, NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB", report)
         self.assertIn("- driver's CUDA Version: 13.0", report)
         self.assertIn("- nvcc: release 13.0, V13.0.88", report)
-        self.assertEqual(re.findall(r"^## (\S+)$", report, re.M), ["build", "tests", "slow", "smoke", "self-check",
-                                                                     "bench", "nccl"])
-        for phase in ("build", "tests", "slow", "smoke", "self-check", "bench", "nccl"):
+        every_phase = ("build", "tests", "slow", "smoke", "self-check", "bench", "anchor", "profile", "nccl")
+        self.assertEqual(re.findall(r"^## (\S+)$", report, re.M), list(every_phase))
+        for phase in every_phase:
             self.assertIn(f"**{phase}: passed**", report)
         self.assertIn("Built gpu_tests bench_kernels", report)
         self.assertIn("| test | result | time |\n|---|---|---|\n| gpu_device | Passed | 0.81 s |\n"
@@ -235,9 +277,9 @@ class AcceptanceTest(unittest.TestCase):
         self.assertEqual(commands.count("cmake --preset release"), 1)  # configured once, then built per phase
         self.assertIn("--target slow_gpu_tests", commands)
         self.assertEqual(self.run_sh_calls()[0]["args"][:3], ["--self-check", "strict", "--self-check-only"])
-        # OUT holds what the device tool brings back: the report and one log per phase.
-        self.assertEqual(sorted(os.listdir(out)), sorted(["report.md"] + [f"{p}.log" for p in (
-            "build", "tests", "slow", "smoke", "self-check", "bench", "nccl")]))
+        # OUT holds what the device tool brings back: the report, one log per phase, the runs' folders.
+        self.assertEqual(sorted(os.listdir(out)), sorted(["report.md", "anchor", "profile"] +
+                                                         [f"{p}.log" for p in every_phase]))
         self.assertEqual(self.read(os.path.join(out, "report.md")), report)
 
     def test_failures_are_named_in_the_report_and_on_the_console(self):
@@ -303,6 +345,63 @@ class AcceptanceTest(unittest.TestCase):
         self.assertRegex(rows[4][2], r"^1\.000e\+00 \(lm_head\.weight, rank0\)$")
         diloco = re.findall(r"^\| (\d) \| (\d) \| (\d+) \| (ok|FAILED[^|]*) \| \d+ s \|$", report, re.M)
         self.assertEqual(diloco, [("2", "1", "4", "ok"), ("4", "2", "4", "ok")])
+
+    def test_the_anchor_phase_tables_both_programs_side_by_side(self):
+        status, report, output = self.acceptance("anchor", gpus=1)
+        self.assertEqual(status, 0, output)
+        for who, M, N, ms in (("ours", 8, 20, "730.0"), ("record", 8, 20, "785.0"), ("ours", 1, 60, "100.0"),
+                              ("record", 1, 60, "120.0")):
+            self.assertRegex(report, rf"\| {who}, M = {M} \| {N} \| \d+ \| {ms} \|")
+        self.assertIn("| M | ours ms | record code ms | ours / record |\n|---|---|---|---|\n"
+                      "| M = 8 | 730.0 | 785.0 | 0.930 |\n| M = 1 | 100.0 | 120.0 | 0.833 |", report)
+        self.assertIn("Side by side on NVIDIA H100 80GB HBM3, ", report)
+        # the trainer first, then the record's code, each on the corpus, the record's file staged in .carry
+        programs = self.read(self.calls + ".programs").splitlines()
+        self.assertEqual([p.split()[0] for p in programs], ["train_gpt", "record_pytorch.py"] * 2)
+        self.assertIn("--record .carry/anchor/train_gpt.py --train-files corpus-bin/corpus_train_*.bin", programs[1])
+        self.assertIn("--micro-batches 8 --num-iterations 20 --sync-steps --no-validation", programs[1])
+        self.assertIn("--micro-batches 1 --num-iterations 60 --val-every 0", programs[2])
+
+    def test_the_anchor_phase_fails_without_a_corpus_or_with_a_failed_run(self):
+        os.remove(os.path.join(self.repo, "corpus-bin", "corpus_train_000001.bin"))
+        status, report, _ = self.acceptance("anchor", gpus=1)
+        self.assertEqual(status, 1)
+        self.assertIn("No corpus: corpus-bin/ is empty and .carry/corpus/ did not unpack", report)
+        open(os.path.join(self.repo, "corpus-bin", "corpus_train_000001.bin"), "w").close()
+        with open(os.path.join(self.repo, "tools", "record_pytorch.py"), "a") as f:
+            f.write("sys.exit(4)\n")
+        status, report, _ = self.acceptance("anchor", gpus=1)
+        self.assertEqual(status, 1)
+        self.assertRegex(report, r"\| record, M = 8 \| 20 \| \d+ \| FAILED: exit 4 \(anchor/record_M8/console.txt\) \|")
+        self.assertIn("| M = 8 | 730.0 | failed | - |", report)  # its log was written, but it failed
+        os.remove(os.path.join(self.repo, ".carry", "anchor", "train_gpt.py"))
+        status, report, _ = self.acceptance("anchor", gpus=1)
+        self.assertEqual(status, 1)
+        self.assertIn("No record code: neither ANCHOR_RECORD", report)
+
+    def test_the_profile_phase_tables_each_programs_kernels_and_the_counters(self):
+        status, report, output = self.acceptance("profile", gpus=1)
+        self.assertEqual(status, 0, output)
+        self.assertIn("### ours: step 5's own line: 730.0 ms\n", report)
+        self.assertIn("### record: step 5's own line: 785.0 ms\n", report)
+        self.assertIn("| 0 | 730.00 | 657.00 | 657.00 | 0.900 | 3 |", report)
+        self.assertIn("| `flash::backward_dkv_kernel` | 2 | 547.500 | 273750.0 | 75.0% |", report)
+        self.assertIn("| `softcap_cross_entropy_kernel` | 1 | 600 | 75 |", report)
+        programs = self.read(self.calls + ".programs").splitlines()
+        self.assertIn("--num-iterations 6", programs[0])
+        self.assertTrue(programs[0].endswith("--profile-step 5"), programs[0])
+        self.assertIn("ncu --clock-control none --profile-from-start off", self.commands())
+        status, report, _ = self.acceptance("profile", gpus=1, FAKE_NCU="fail")
+        self.assertEqual(status, 0)  # counters are read where the machine allows
+        self.assertIn("ncu gave no counters (exit 1): ==ERROR== ERR_NVGPUCTRPERM: no permission", report)
+
+    def test_a_profile_without_a_range_fails_the_phase(self):
+        with open(os.path.join(self.repo, "build", "train_gpt"), "a") as f:
+            f.write("os.remove(os.environ['KERNEL_PROFILE_OUT']) if '--profile-step' in args else None\n")
+        status, report, _ = self.acceptance("profile", gpus=1, FAKE_NCU="fail")
+        self.assertEqual(status, 1)
+        self.assertIn("No profile: error: ", report)
+        self.assertIn("kernels.csv", report)
 
     def test_a_diloco_run_whose_ranks_disagree_fails_the_nccl_phase(self):
         status, report, output = self.acceptance("nccl", gpus=2, FAKE_RUN_FAILS="diloco:2")

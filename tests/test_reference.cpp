@@ -323,20 +323,56 @@ TEST_CASE("rekls: with eigenbasis_every 2 the bases stay between refreshes, the 
     const std::vector<double> M = s.M;
     rekls_update(p.data(), g.data(), s, cfg.lr, t, cfg);
     CHECK(rekls_refreshes_eigenbasis(t, 2) == (t != 2));
-    if (t == 2) {
-      CHECK(s.QL == QL && s.QR == QR && s.lam_L == lam);
+    // C = Q_L^T L Q_L: on a refresh diagonal (the new factor's eigenbasis); lam_L its diagonal always
+    double off_diagonal = 0;
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) {
+        double c = 0;
+        for (int k = 0; k < 4; ++k)
+          for (int l = 0; l < 4; ++l) c += s.QL[size_t(k) * 4 + i] * s.L[size_t(k) * 4 + l] * s.QL[size_t(l) * 4 + j];
+        if (i == j) CHECK_NEAR(c, s.lam_L[i], 1e-12 * s.lam_L[0]);
+        else off_diagonal = std::max(off_diagonal, std::abs(c));
+      }
+    if (t == 2) {  // the bases kept, the eigenvalues those of the new factor in them
+      CHECK(s.QL == QL && s.QR == QR && s.lam_L != lam);
       const std::vector<double> rotated = rekls_rotate_in(g, s);
       for (size_t i = 0; i < M.size(); ++i) CHECK_NEAR(s.M[i], 0.9 * M[i] + 0.1 * rotated[i], 1e-12);
-    } else {  // Q_L^T L Q_L = diag(lam_L): the bases are the new factors' eigenbases
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) {
-          double c = 0;
-          for (int k = 0; k < 4; ++k)
-            for (int l = 0; l < 4; ++l) c += s.QL[size_t(k) * 4 + i] * s.L[size_t(k) * 4 + l] * s.QL[size_t(l) * 4 + j];
-          CHECK_NEAR(c, i == j ? s.lam_L[i] : 0.0, 1e-12 * s.lam_L[0]);
-        }
+    } else {
+      CHECK(off_diagonal < 1e-12 * s.lam_L[0]);
     }
   }
+}
+
+// By hand, 2 x 2, shampoo_beta 1/2, eps 1/4, a refresh every second step (b_t = 1 - (1/2) / (1 - 2^-t):
+// 0, 1/3, 3/7; C = Q diag(1 / (2 max(lam, 1/4))) Q^T):
+//   t = 1, G = diag(1, 1/2): C = 2 I, L = R = 2 G G^T = diag(2, 1/2); refreshed: Q = I (up to sign),
+//          lam = (2, 1/2).
+//   t = 2, G = [[1, 1], [0, 1]]: C = diag(1/4, 1) both sides, L = 1/3 diag(2, 1/2) + 2/3 G C G^T =
+//          [[3/2, 2/3], [2/3, 5/6]], R = 1/3 diag(2, 1/2) + 2/3 G^T C G = [[5/6, 1/6], [1/6, 1]];
+//          kept bases: lam_L = diag(L) = (3/2, 5/6), lam_R = (5/6, 1) (the last refresh's (2, 1/2) no more).
+//   t = 3, G = [[1, 0], [1, 1]]: C_R = diag(3/5, 1/2), L = 3/7 L + 4/7 G C_R G^T = [[69/70, 22/35], [22/35, 69/70]].
+TEST_CASE("rekls: between refreshes the KL rule reads diag(Q^T L Q) of the current factors (2 x 2 by hand)") {
+  ReklsConfig cfg;
+  cfg.shampoo_beta = 0.5;
+  cfg.eps = 0.25;
+  cfg.eigenbasis_every = 2;
+  ReklsState s(2, 2);
+  std::vector<double> p = {0.1, 0.2, 0.3, 0.4};
+  const std::vector<std::vector<double>> G = {{1, 0, 0, 0.5}, {1, 1, 0, 1}, {1, 0, 1, 1}};
+  auto near = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double worst = 0;
+    for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+    return worst < 1e-12;
+  };
+  rekls_update(p.data(), G[0].data(), s, cfg.lr, 1, cfg);
+  CHECK(near(s.L, {2, 0, 0, 0.5}) && near(s.lam_L, {2, 0.5}) && near(s.lam_R, {2, 0.5}));
+  rekls_update(p.data(), G[1].data(), s, cfg.lr, 2, cfg);
+  CHECK(near(s.L, {1.5, 2.0 / 3, 2.0 / 3, 5.0 / 6}));
+  CHECK(near(s.R, {5.0 / 6, 1.0 / 6, 1.0 / 6, 1}));
+  CHECK(near(s.lam_L, {1.5, 5.0 / 6}));
+  CHECK(near(s.lam_R, {5.0 / 6, 1}));
+  rekls_update(p.data(), G[2].data(), s, cfg.lr, 3, cfg);
+  CHECK(near(s.L, {69.0 / 70, 22.0 / 35, 22.0 / 35, 69.0 / 70}));
 }
 
 // The CPU recipe at the tiny shape for `steps` steps from the same weights, on one batch over and

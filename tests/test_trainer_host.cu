@@ -85,6 +85,23 @@ TEST_CASE("bad flags are errors that name the flag") {
   CHECK_THROWS_WITH(parse_only({"--timeline-step", "11", "--num-iterations", "10"}),
                     "--timeline-step 11 is past the run's last step (--num-iterations 10)");
   parse_only({"--timeline-step", "10", "--num-iterations", "10"});
+  CHECK_THROWS_WITH(parse_only({"--profile-step", "11", "--num-iterations", "10"}),
+                    "--profile-step 11 is past the run's last step (--num-iterations 10)");
+  parse_only({"--profile-step", "10", "--num-iterations", "10"});
+  // values that no setting takes, a flag where a value belongs, settings of a feature that is off
+  CHECK_THROWS_WITH(parse_only({"--adam-lr", "nan"}), "--adam-lr: 'nan' is not a finite number");
+  CHECK_THROWS_WITH(parse_only({"--matrix-optimizer", "rekls", "--rekls-weight-decay", "inf"}),
+                    "--rekls-weight-decay: 'inf' is not a finite number");
+  CHECK_THROWS_WITH(parse_only({"--log-dir", "--seed", "3"}), "--log-dir needs a value, but the next word, --seed, is a flag");
+  CHECK_THROWS_WITH(parse_only({"--log-dir", "--help"}), "--log-dir needs a value, but the next word, --help, is a flag");
+  parse_only({"--log-dir=--odd-but-explicit"});
+  CHECK_THROWS_WITH(parse_only({"--rekls-eigenbasis-every", "2"}),
+                    "--rekls-eigenbasis-every has no effect without --matrix-optimizer rekls");
+  parse_only({"--matrix-optimizer", "rekls", "--rekls-eigenbasis-every", "2"});
+  CHECK_THROWS_WITH(parse_only({"--diloco-outer-lr", "0.5"}), "--diloco-outer-lr has no effect without --diloco-groups 2");
+  CHECK_THROWS_WITH(parse_only({"--diloco-groups", "2", "--diloco-fragments", "4"}),
+                    "--diloco-sync-every = 30: must be a positive multiple of --diloco-fragments");
+  parse_only({"--diloco-groups", "2", "--diloco-fragments", "4", "--diloco-sync-every", "8"});
 }
 
 TEST_CASE("the fast paths' flags select their references; the self-check's modes") {

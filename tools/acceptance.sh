@@ -9,6 +9,13 @@
 #   smoke       the trainer's 30-step smoke run on the bundled sample (tests/gpu/smoke_run.sh)
 #   self-check  the trainer's start-up self-check on each GPU (--self-check strict --self-check-only)
 #   bench       our kernel benchmark, then PyTorch's ops beside it (the ratios)
+#   anchor      record #25's own PyTorch code beside the trainer on this GPU, the trainer first: 20
+#               steps at M = 8 and 60 at M = 1 on the offline corpus, each program's mean step, and
+#               the ratio (tools/record_pytorch.py; the corpus and the record's file staged by
+#               tools/corpus_run.sh stage)
+#   profile     every kernel's time in step 5 of 6 at M = 8, the trainer's and the record code's
+#               (tools/kernel_profile.so through --profile-step; tools/profile_summary.py), and where
+#               ncu reads hardware counters, those of the attention and cross-entropy kernels
 #   nccl        with 2 or more GPUs: the distributed oracle over real NCCL ranks, one process per
 #               GPU: the trainer at W = 2, 4 and all GPUs in every --grad-comm mode against W = 1
 #               on the same data, compared parameter by parameter (tools/compare_checkpoints.py);
@@ -24,11 +31,12 @@
 # SPEEDRUN_PREBUILT=1: build/ was built elsewhere (same toolkit, same paths) and is used as it is:
 # nothing is configured or built, so that a machine lent minutes at a time spends none compiling.
 # Exit status: 0 every phase passed, 1 one failed, 2 usage, 77 none failed but some had no GPU.
-# Usage: tools/acceptance.sh [build|tests|slow|smoke|self-check|bench|nccl]...
+# ANCHOR_RECORD names the record's train_gpt.py (default: ../shared's, else .carry/anchor's).
+# Usage: tools/acceptance.sh [build|tests|slow|smoke|self-check|bench|anchor|profile|nccl]...
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
-all_phases=(build tests slow smoke self-check bench nccl)
+all_phases=(build tests slow smoke self-check bench anchor profile nccl)
 phases=("$@")
 ((${#phases[@]})) || phases=("${all_phases[@]}")
 for phase in "${phases[@]}"; do
@@ -45,6 +53,7 @@ mkdir -p "$(dirname "$report")" "$logs"
 work=$(mktemp -d)
 # run.sh builds the trainer unless it is told which to run.
 [[ -n ${SPEEDRUN_PREBUILT:-} ]] && export SPEEDRUN_TRAINER=$PWD/build/train_gpt
+trainer=${SPEEDRUN_TRAINER:-build/train_gpt}
 trap 'rm -rf "$work"' EXIT
 
 # The GPUs this process may use: CUDA_VISIBLE_DEVICES's list when it is set, else all that
@@ -95,7 +104,7 @@ build_targets() {
   local start=$SECONDS generator=() target
   if [[ -n ${SPEEDRUN_PREBUILT:-} ]]; then
     for target in "$@"; do
-      [[ $target == *_tests || -x build/$target || -x build/tools/$target ]] && continue
+      [[ $target == *_tests || -x build/$target || -f build/lib$target.so ]] && continue
       say "SPEEDRUN_PREBUILT: build/ has no $target."
       return 1
     done
@@ -276,6 +285,161 @@ phase_nccl_diloco() {
   return "$failed"
 }
 
+# The offline corpus (FineWeb's format) of the anchor and profile phases: corpus-bin/, unpacked from
+# .carry/corpus/ when it is not there yet.
+corpus_flags=(--train-files "corpus-bin/corpus_train_*.bin" --val-files "corpus-bin/corpus_val_*.bin")
+need_corpus() {
+  compgen -G "corpus-bin/corpus_train_*.bin" >/dev/null && return 0
+  [[ -d .carry/corpus ]] && tools/corpus_run.sh unpack >>"$log" 2>&1 && return 0
+  say "No corpus: corpus-bin/ is empty and .carry/corpus/ did not unpack (stage it with tools/corpus_run.sh" \
+    "stage on a machine that has ../shared)."
+  return 1
+}
+
+# The record's train_gpt.py: ANCHOR_RECORD, else ../shared's, else the copy staged in .carry/anchor/.
+anchor_record() {
+  local f
+  for f in "${ANCHOR_RECORD:-}" ../shared/anchor/record25/train_gpt.py .carry/anchor/train_gpt.py; do
+    [[ -n $f && -f $f ]] && { echo "$f"; return 0; }
+  done
+  say "No record code: neither ANCHOR_RECORD, ../shared/anchor/record25/train_gpt.py nor" \
+    ".carry/anchor/train_gpt.py (tools/corpus_run.sh stage) is a file."
+  return 1
+}
+
+# run_program <ours|record> <M> <N> <folder> [more flags...]: the trainer or the record's code for N
+# steps of M micro-sequences on the corpus, its log into the folder; the record's code with each
+# step line synchronised (as the trainer's are) and no validation.
+run_program() {
+  local who=$1 M=$2 N=$3 dir=$4
+  shift 4
+  mkdir -p "$dir"
+  if [[ $who == ours ]]; then
+    capture "$dir/console.txt" "$trainer" "${corpus_flags[@]}" --micro-batches "$M" --num-iterations "$N" \
+      --val-every 0 --val-tokens 262144 --warmup-steps 3 --seed 1 --log-dir "$dir" \
+      --checkpoint-dir "$work/checkpoints_$who" "$@"
+  else
+    capture "$dir/console.txt" python3 tools/record_pytorch.py --record "$record" "${corpus_flags[@]}" \
+      --micro-batches "$M" --num-iterations "$N" --sync-steps --no-validation --log-dir "$dir" "$@"
+  fi
+}
+
+# run_log <folder>: the run's log in the folder run_program gave it (any .txt but its console's).
+run_log() {
+  local f
+  for f in "$1"/*.txt; do
+    [[ $f == */console.txt ]] || { echo "$f"; return 0; }
+  done
+}
+
+# step_times_ms <log> <from> [to]: the step lines' train_time at step <from> and at step <to> (the
+# last when not given) and the mean step between them, "T_from T_to mean"; nothing when the log
+# has not both.
+step_times_ms() {
+  grep -E '^step:[0-9]+/[0-9]+ train_time:[0-9.]+ms' "$1" |
+    sed -E 's#^step:([0-9]+)/[0-9]+ train_time:([0-9.]+)ms.*#\1 \2#' |
+    awk -v from="$2" -v to="${3:-0}" '$1 == from { t0 = $2 } (to == 0 || $1 <= to) { s = $1; t = $2 }
+      END { if (t0 != "" && s > from) printf "%s %s %.1f", t0, t, (t - t0) / (s - from) }'
+}
+
+anchor_skip=2  # timed steps left out of the mean besides each program's untimed warm-up
+
+phase_anchor() {
+  need_gpu || return 77
+  build_targets train_gpt || return 1
+  need_corpus || return 1
+  record=$(anchor_record) || return 1
+  local run M N who dir start status times mean means failed=0 rows=()
+  say "" "The trainer and record #25's own code (\`$record\`, run by tools/record_pytorch.py: M batches of its" \
+    "own loader per step, each \`(loss / M).backward()\`, its step lines synchronised as the trainer's are, no" \
+    "validation) on this GPU, one after the other, the trainer first; each over the window schedule of its N steps" \
+    "(the record's formula). Mean step: the step lines' train_time from step $anchor_skip to N, over the steps" \
+    "between (both programs' warm-ups are untimed; their first $anchor_skip timed steps are left out too)." "" \
+    "| run | steps | wall s (start-up, compile, warm-up included) | mean step ms |" "|---|---|---|---|"
+  for run in "8 20" "1 60"; do
+    M=${run% *} N=${run#* } means=()
+    for who in ours record; do
+      dir=$logs/anchor/${who}_M$M start=$SECONDS
+      run_program "$who" "$M" "$N" "$dir"
+      status=$?
+      times=$(step_times_ms "$(run_log "$dir")" "$anchor_skip")
+      mean=${times##* }
+      if ((status != 0)) || [[ -z $times ]]; then
+        mean="FAILED: exit $status$([[ -n $times ]] || echo ", no step lines") (anchor/${who}_M$M/console.txt)"
+        times="" failed=1
+      fi
+      say "| $who, M = $M | $N | $((SECONDS - start)) | $mean |"
+      means+=("${times:+$mean}")
+    done
+    if [[ -n ${means[0]} && -n ${means[1]} ]]; then
+      rows+=("| M = $M | ${means[0]} | ${means[1]} | $(awk -v a="${means[0]}" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
+    else
+      rows+=("| M = $M | ${means[0]:-failed} | ${means[1]:-failed} | - |")
+    fi
+  done
+  say "" "Side by side on $(nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader |
+    head -1 | cut -d, -f2 | sed 's/^ *//'), $(date +%F) (mean step," \
+    "warm-up excluded; below 1: the trainer is faster):" "" "| M | ours ms | record code ms | ours / record |" \
+    "|---|---|---|---|" "${rows[@]}"
+  return "$failed"
+}
+
+# ncu_counters <folder>: the hardware counters of step 5's attention and cross-entropy
+# kernels, where ncu runs and reads counters: the first 40 launches of them, the first micro-
+# sequence's (11 attention layers forward, 6 head chunks, then the attention backward).
+ncu_counters() {
+  local dir=$1 status
+  if ! command -v ncu >/dev/null; then
+    say "" "ncu is not on this machine: no hardware counters."
+    return 0
+  fi
+  capture "$dir/ncu_console.txt" timeout 300 ncu --clock-control none --profile-from-start off \
+    --kernel-name-base demangled -k 'regex:flash::|softcap_cross_entropy' --launch-count 40 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats --csv --page raw \
+    "$trainer" "${corpus_flags[@]}" --micro-batches 8 --num-iterations 6 --val-every 0 --val-tokens 262144 \
+    --warmup-steps 3 --seed 1 --profile-step 5 --self-check off --log-dir "$dir/ncu_logs" \
+    --checkpoint-dir "$work/checkpoints_ncu"
+  status=$?
+  grep '^"' "$dir/ncu_console.txt" >"$dir/ncu_raw.csv"
+  say "" "### Hardware counters of the trainer's attention and cross-entropy kernels (ncu, step 5, first 40 launches)" ""
+  if ((status == 0)) && python3 tools/profile_summary.py --ncu "$dir/ncu_raw.csv" >"$dir/ncu.md" 2>&1; then
+    say "$(cat "$dir/ncu.md")"
+  else
+    say "ncu gave no counters (exit $status): $(grep -m2 -E '==ERROR==|error' "$dir/ncu_console.txt" | paste -sd ' ')"
+  fi
+}
+
+phase_profile() {
+  need_gpu || return 77
+  build_targets train_gpt kernel_profile || return 1
+  need_corpus || return 1
+  record=$(anchor_record) || return 1
+  local who dir status times failed=0 library=$PWD/build/libkernel_profile.so
+  say "" "Step 5 of 6 at M = 8 on the corpus, inside cudaProfilerStart/Stop (\`--profile-step 5\`), every kernel" \
+    "timed by CUPTI (tools/kernel_profile.so, tools/profile_summary.py): the trainer, then the record's code."
+  for who in ours record; do
+    dir=$logs/profile/$who
+    mkdir -p "$dir"
+    CUDA_INJECTION64_PATH=$library KERNEL_PROFILE_OUT=$dir/kernels.csv run_program "$who" 8 6 "$dir" --profile-step 5
+    status=$?
+    times=$(step_times_ms "$(run_log "$dir")" 4 5)
+    if [[ -n $times ]]; then
+      say "" "### $who: step 5's own line: ${times##* } ms" ""
+    else
+      say "" "### $who: step 5's own line: none (exit $status)" ""
+    fi
+    if python3 tools/profile_summary.py "$dir/kernels.csv" >"$dir/kernels.md" 2>&1; then
+      say "$(cat "$dir/kernels.md")"
+    else
+      say "No profile: $(tail -1 "$dir/kernels.md") (exit $status; profile/$who/console.txt)"
+      failed=1
+    fi
+  done
+  ncu_counters "$logs/profile/ours"
+  return "$failed"
+}
+
 phase_bench() {
   need_gpu || return 77
   build_targets bench_kernels || return 1
@@ -306,6 +470,8 @@ for phase in "${phases[@]}"; do
     smoke) phase_smoke ;;
     self-check) phase_self_check ;;
     bench) phase_bench ;;
+    anchor) phase_anchor ;;
+    profile) phase_profile ;;
     nccl) phase_nccl ;;
   esac
   status=$?

@@ -3,13 +3,14 @@
 // large cuBLASLt bf16 and FP8 matmuls), then prints per kernel: median time, achieved TB/s or
 // TFLOP/s, and the fraction of the measured ceiling (FP8 products: of the FP8 one). Usage:
 // bench_kernels [repeats] [section...], from the repository root (attention reads the documents of
-// data/sample/); sections: matmul, fp8, muon, rekls, memory, attention (none named: all, in this
-// order).
+// data/sample/, as do the step's other kernels); sections: matmul, fp8, muon, rekls, memory, step,
+// attention (none named: all, in this order).
 // Each row is printed as it is measured, so that a run stopped early keeps its rows.
 #include "data/dataloader.h"
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/cross_entropy.cuh"
+#include "kernels/embedding.cuh"
 #include "kernels/flash_attention.cuh"
 #include "kernels/fp8_head.cuh"
 #include "kernels/matmul.cuh"
@@ -17,6 +18,7 @@
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
 #include "kernels/rekls.cuh"
+#include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
 
 #include <algorithm>
@@ -351,6 +353,56 @@ void bench_memory_bound(const Peaks& peaks) {
     cudaFree(b);
 }
 
+// The step's kernels that the sections above leave out, at the record's shapes: the embedding
+// backward on real text's tokens (the first T of the bundled sample: a block per distinct token, so a
+// frequent one, 198 "\n" above all, makes a long block), the residual and value mixes forward and
+// backward (with both scalar gradients, dy accumulated, as the blocks' backward runs it), add_into,
+// and the FP8 head's transpose of its e5m2 gradient apart from the cross-entropy.
+void bench_step_rest(const Peaks& peaks) {
+  std::vector<uint16_t> shard = read_shard("data/sample/sample_train_000001.bin", kTokenizerVocab);
+  std::vector<int> count(V, 0);
+  for (int t = 0; t < T; ++t) ++count[shard[t]];
+  const int most = int(std::max_element(count.begin(), count.end()) - count.begin());
+  StagedUploads uploads;
+  uploads.reset(EmbeddingBackwardPlan::upload_bytes(T));
+  EmbeddingBackwardPlan plan(shard.data(), T, V, uploads, 0);
+  char name[96];
+  const int distinct = int(std::count_if(count.begin(), count.end(), [](int c) { return c > 0; }));
+  std::snprintf(name, sizeof name, "embedding: %d distinct tokens, %d x %d", distinct, count[most], most);
+  std::printf("| %-38s | %8s | %-15s | %6s |\n", name, "", "", "");
+  bf16 *dout = random_bf16(size_t(T) * D, 1.0f, 21), *x = random_bf16(size_t(T) * D, 1.0f, 22);
+  bf16 *y = random_bf16(size_t(T) * D, 1.0f, 23), *out = device_alloc<bf16>(size_t(T) * D);
+  bf16* dy = random_bf16(size_t(T) * D, 1.0f, 24);
+  float *grad = device_alloc<float>(size_t(V) * D), *scratch = device_alloc<float>(EmbeddingBackwardPlan::scratch_rows(T) * D);
+  CUDA_CHECK(cudaMemset(grad, 0, size_t(V) * D * sizeof(float)));  // accumulated into, as the step does
+  // the op's own bytes: dout read, each distinct token's fp32 row read and written, the plan's
+  // indices (not the split tokens' segment sums, which the second pass reads back)
+  row("embedding bwd [49152 real tokens, 768]",
+      median_ms([&] { embedding_backward(plan, dout, grad, nullptr, D, scratch, 0); }),
+      2.0 * T * D + 8.0 * distinct * D + 4.0 * (T + 3 * plan.segments()), 0, peaks);
+  std::vector<float> host_scalars = {0.7f, 0.3f, 0.0f, 0.0f};
+  float* scalars = device_alloc<float>(host_scalars.size());
+  float* mix_scratch = device_alloc<float>(2 * kScalarReductionBlocks);
+  CUDA_CHECK(cudaMemcpy(scalars, host_scalars.data(), host_scalars.size() * sizeof(float), cudaMemcpyHostToDevice));
+  row("mix fwd a x + b y [49152, 768]",
+      median_ms([&] { weighted_sum_forward(x, scalars, y, scalars + 1, out, T, D, D, 0); }), 3.0 * T * D * 2, 0, peaks);
+  // read dout, x, y, dy; write dx, dy
+  row("mix bwd (dx, dy +=, da, db) [49152, 768]", median_ms([&] {
+        weighted_sum_backward(dout, x, scalars, scalars + 2, y, scalars + 1, scalars + 3, out, dy, true, T, D, D,
+                              mix_scratch, 0);
+      }), 6.0 * T * D * 2, 0, peaks);
+  row("add_into [49152, 768]", median_ms([&] { add_into(x, out, size_t(T) * D, 0); }), 3.0 * T * D * 2, 0, peaks);
+  constexpr int kChunk = 8192;
+  // the bytes of random bf16 values: a transpose moves bytes, whatever they encode
+  fp8 *g = reinterpret_cast<fp8*>(random_bf16(size_t(kChunk) * V / 2, 1.0f, 25)), *g_t = device_alloc<fp8>(size_t(kChunk) * V);
+  row("fp8 transpose e5m2 grad [8192, 50304] x6", median_ms([&] {
+        for (int c = 0; c < T / kChunk; ++c) fp8_transpose(g, g_t, kChunk, V, 0);
+      }), 2.0 * T * V, 0, peaks);
+  for (void* b : {(void*)dout, (void*)x, (void*)y, (void*)out, (void*)dy, (void*)grad, (void*)scratch, (void*)scalars,
+                  (void*)mix_scratch, (void*)g, (void*)g_t})
+    cudaFree(b);
+}
+
 // Attention on the documents of real text (the first T tokens of the bundled sample shard), for
 // several windows. FLOPs count the allowed (query, key) pairs only: 4 * 128 per pair and head
 // forward (QK^T, PV), 2.5 times that backward (the usual convention, recomputation not counted).
@@ -399,7 +451,7 @@ void bench_attention(const Peaks& peaks) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc > 1) g_repeats = std::max(1, std::atoi(argv[1]));
-  const std::vector<std::string> all = {"matmul", "fp8", "muon", "rekls", "memory", "attention"};
+  const std::vector<std::string> all = {"matmul", "fp8", "muon", "rekls", "memory", "step", "attention"};
   std::vector<std::string> sections(argv + std::min(argc, 2), argv + argc);
   for (const std::string& section : sections)
     if (std::find(all.begin(), all.end(), section) == all.end()) {
@@ -423,6 +475,7 @@ int main(int argc, char** argv) {
     if (wanted("muon")) bench_muon(matmul, peaks);
     if (wanted("rekls")) bench_rekls(matmul, peaks);
     if (wanted("memory")) bench_memory_bound(peaks);
+    if (wanted("step")) bench_step_rest(peaks);
     if (wanted("attention")) bench_attention(peaks);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

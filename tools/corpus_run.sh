@@ -2,7 +2,10 @@
 # Trainer runs on the offline corpus (../shared/data/corpus: 43M train tokens, the recipe's 10.5M
 # validation tokens, FineWeb's format), for the GPU machine, where ../shared does not exist:
 #   tools/corpus_run.sh stage       here: copy the compressed shards into .carry/corpus/ (ignored by
-#                                   git); send them with the device tool's carry: [".carry"]
+#                                   git), and record #25's train_gpt.py into .carry/anchor/ (for
+#                                   tools/acceptance.sh anchor and profile: ../shared does not travel);
+#                                   send them with the device tool's carry: [".carry"]
+#   tools/corpus_run.sh unpack      there: the shards into corpus-bin/, checked against SHA256SUMS
 #   tools/corpus_run.sh steps [K]   there: step time of M = 1 and M = 8 (and M = 8 through a
 #                                   one-rank NCCL communicator) over the window schedule of a K-step
 #                                   run (default 20), tokens/s and MFU, as a table; then where step 5
@@ -95,11 +98,13 @@ full() {
 
 case ${1:-} in
   stage)
-    mkdir -p "$staged"
+    mkdir -p "$staged" .carry/anchor
     cp ../shared/data/corpus/*.bin.xz ../shared/data/corpus/SHA256SUMS "$staged/"
-    du -sh "$staged"
+    cp ../shared/anchor/record25/train_gpt.py .carry/anchor/
+    du -sh .carry
     ;;
+  unpack) unpack ;;
   steps) unpack && build_trainer && steps "${2:-20}" ;;
   full) unpack && build_trainer && full "${@:2}" ;;
-  *) sed -n "2,19p" "$0" >&2; exit 2 ;;
+  *) sed -n "2,22p" "$0" >&2; exit 2 ;;
 esac

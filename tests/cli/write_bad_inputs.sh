@@ -4,11 +4,13 @@
 #   tokens/train_001.bin, val_001.bin   the same but for their last token, 50300 (>= GPT-2's 50257)
 #   damaged/step_000003.ckpt            a checkpoint cut off after its step
 #   ranked/rank1/step_000002.ckpt       the same in rank 1's folder of a two-rank run
+#   fifo/train_000.bin                  a named pipe where a shard should be (a scan would block on it)
 # Usage: write_bad_inputs.sh FOLDER
 set -euo pipefail
 folder=$1
 rm -rf "$folder"
-mkdir -p "$folder/tokens" "$folder/damaged" "$folder/ranked/rank1"
+mkdir -p "$folder/tokens" "$folder/damaged" "$folder/ranked/rank1" "$folder/fifo"
+mkfifo "$folder/fifo/train_000.bin"
 
 # Little-endian bytes of an integer: le WIDTH VALUE.
 le() {

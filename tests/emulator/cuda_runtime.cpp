@@ -5,6 +5,8 @@
 #include "emulator/cuda_emulator.h"
 #include "emulator/runtime.h"
 
+#include <cuda_profiler_api.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -118,6 +120,9 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) { return destroy<char>(s); }
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+// No profiler attaches to the emulator: the range's edges are accepted and mark nothing.
+cudaError_t cudaProfilerStart() { return cudaSuccess; }
+cudaError_t cudaProfilerStop() { return cudaSuccess; }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return create(e, Event{}); }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return create(e, Event{}); }

@@ -21,16 +21,6 @@ inline double grad_bound_of(const Param& p, double matrix_bound) {
   return p.name == "scalars" ? std::max(matrix_bound, kScalarGradBound) : matrix_bound;
 }
 
-inline ModelConfig reference_config() {
-  ModelConfig c = ModelConfig::record();
-  c.model_dim = 256;
-  c.num_heads = 2;
-  c.vocab_size = 1024;
-  c.bos_token = 1023;
-  c.softcap_divisor = 7.5 * std::sqrt(256.0);
-  return c;
-}
-
 inline GPTConfig gpu_config() {
   GPTConfig c;
   c.model_dim = 256;
@@ -39,6 +29,19 @@ inline GPTConfig gpu_config() {
   c.bos_token = 1023;
   return c;
 }
+
+// The CPU reference's config of the record's structure at a GPU config's sizes.
+inline ModelConfig reference_config_of(const GPTConfig& g) {
+  ModelConfig c = ModelConfig::record();
+  c.model_dim = g.model_dim;
+  c.num_heads = g.num_heads;
+  c.vocab_size = g.vocab_size;
+  c.bos_token = g.bos_token;
+  c.softcap_divisor = 7.5 * std::sqrt(double(g.model_dim));
+  return c;
+}
+
+inline ModelConfig reference_config() { return reference_config_of(gpu_config()); }
 
 // The reference's weights rounded to what the GPU computes with; uploaded to the GPU model.
 inline Tensors load_weights(const ModelConfig& rc, const GPT& model, uint64_t seed) {

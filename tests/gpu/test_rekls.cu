@@ -45,7 +45,10 @@ struct ReklsErrors {
 
 // `count` matrices [m, n] updated together (one update call per step, as the trainer's groups),
 // each with its own parameters, gradients, state and reference.
-ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed, ReklsEigensolver solver, int count) {
+// grad_std, eps: the gradients' scale and REKLS's eps, 1e-8 both unless a case needs its eigenvalues
+// above the eps floor.
+ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed, ReklsEigensolver solver, int count,
+                      double grad_std = kGradStd, float eps = 1e-8f) {
   const size_t mn = size_t(m) * n, elems = ReklsBuffers::elems(m, n);
   const float lr = 0.01f, grad_scale = 0.5f;
   std::vector<float> pf(count * mn);
@@ -64,14 +67,16 @@ ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t se
   ReklsSettings settings;
   settings.eigenbasis_every = eigenbasis_every;
   settings.eigensolver = solver;
+  settings.eps = eps;
   ReklsConfig cfg;
   cfg.eigenbasis_every = eigenbasis_every;
+  cfg.eps = eps;
   std::vector<double> p_ref(pf.begin(), pf.end());
   std::vector<ReklsState> refs(count, ReklsState(m, n));
   for (int t = 1; t <= steps; ++t) {
     std::vector<float> gf(count * mn);
     for (int i = 0; i < count; ++i) {
-      const std::vector<double> g = random_normal(mn, seed + 1000 * i + 100 + t, kGradStd);
+      const std::vector<double> g = random_normal(mn, seed + 1000 * i + 100 + t, grad_std);
       std::copy(g.begin(), g.end(), gf.begin() + i * mn);
     }
     dg.upload(gf);
@@ -136,7 +141,8 @@ TEST_CASE("rekls step: KL factors, syevd eigenbases, Adam in the rotated basis; 
   check_rekls(48, 48, 4, 1, 1);
   check_rekls(40, 24, 1, 1, 2);  // tall: L has a null space
   check_rekls(16, 56, 1, 1, 3);  // wide: R has one
-  check_rekls(32, 32, 3, 2, 4);  // eigenbasis every second step
+  check_rekls(32, 32, 7, 2, 4);  // eigenbasis every second step: refreshes at 1, 3, 5, 7
+  check_rekls(32, 32, 7, 3, 7);  // every third: at 1, 4, 7, two steps on the kept bases between
   if (at_record_shapes("rekls at 768 x 768")) check_rekls(768, 768, 2, 1, 5);
 }
 
@@ -145,7 +151,8 @@ TEST_CASE("rekls with syevBatched: the matrices of an update refreshed together,
   check_rekls(48, 48, 4, 1, 1, batched, 3);  // square: L and R in one batch of 6
   check_rekls(40, 24, 1, 1, 2, batched, 2);  // tall: a batch per factor size
   check_rekls(16, 56, 1, 1, 3, batched, 2);  // wide
-  check_rekls(32, 32, 3, 2, 4, batched, 2);  // step 2 keeps the bases (no solver)
+  check_rekls(32, 32, 7, 2, 4, batched, 2);  // the even steps keep the bases (no solver)
+  check_rekls(32, 32, 7, 3, 7, batched, 2);
   if (at_record_shapes("rekls with syevBatched at 768 x 768")) check_rekls(768, 768, 2, 1, 5, batched, 2);
 }
 
@@ -160,6 +167,23 @@ TEST_CASE("rekls: the update rotated back without the transpose of Q_R fails by 
               rounding);
   CHECK(error >= 10 * rounding);
   CHECK(error > 1e-3);
+}
+
+// The factors show it: their KL update reads the eigenvalues of the step before. With gradients and
+// eps of 1e-8 the first step's factors are G G^T / (n eps), so large that the KL term of later steps
+// is lost in them, stale eigenvalues or not; gradients of 1e-2 and eps 1e-3 keep that term a few
+// percent of the factors (which are fp32 sums of products at any scale).
+TEST_CASE("rekls: the last refresh's eigenvalues kept between refreshes fail by 10x the rounding or more") {
+  const ReklsErrors rounding = run_rekls(32, 32, 4, 2, 8, ReklsEigensolver::syevd, 1, 1e-2, 1e-3f);
+  ReklsErrors stale;
+  {
+    ScopedFault injected(Fault::rekls_stale_eigenvalues);
+    stale = run_rekls(32, 32, 4, 2, 8, ReklsEigensolver::syevd, 1, 1e-2, 1e-3f);
+  }
+  const double worst = std::max(rounding.L, rounding.R), error = std::max(stale.L, stale.R);
+  std::printf("  rekls_stale_eigenvalues: factors' rel. error %.2e, %.0fx the rounding %.2e\n", error, error / worst, worst);
+  CHECK(error >= 10 * worst);
+  CHECK(error > 3e-5);
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

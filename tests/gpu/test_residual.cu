@@ -36,7 +36,12 @@ void check_embedding(int T, int vocab, int d, uint64_t seed) {
   StagedUploads uploads;
   uploads.reset(EmbeddingBackwardPlan::upload_bytes(T));
   EmbeddingBackwardPlan plan(tokens.data(), T, vocab, uploads, 0);
-  embedding_backward(plan, ddout.get(), grad.get(), dscale.get(), d, 0);
+  DeviceBuffer<float> scratch(EmbeddingBackwardPlan::scratch_rows(T) * d);
+  scratch.poison();  // what the second pass reads, the first must have written
+  std::printf("    %d segments of at most %d positions, %d tokens split (their sums added by a second pass)\n",
+              plan.segments(), kEmbeddingSegment, plan.split_tokens());
+  CHECK(plan.split_tokens() > 0);
+  embedding_backward(plan, ddout.get(), grad.get(), dscale.get(), d, scratch.get(), 0);
   std::vector<double> out_ref(size_t(T) * d), grad_ref = prior;
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < d; ++c) {
@@ -50,7 +55,7 @@ void check_embedding(int T, int vocab, int d, uint64_t seed) {
   // Bitwise the same gradient on a second run: the position order is fixed, no atomics.
   std::vector<float> first = grad.download();
   grad.upload(std::vector<float>(prior.begin(), prior.end()));
-  embedding_backward(plan, ddout.get(), grad.get(), dscale.get(), d, 0);
+  embedding_backward(plan, ddout.get(), grad.get(), dscale.get(), d, scratch.get(), 0);
   CHECK(grad.download() == first);
 }
 

@@ -6,10 +6,13 @@
 //   and d inner steps later it is applied:
 //     m ← μ m + Δ̄;   global ← global − lr (Δ̄ + μ m)       (SGD, nesterov=True, dampening 0)
 //     local_g ← global + α (local_g − global)               for every group g (in place)
+//   at the end of training the exchange in flight is dropped and every fragment takes the groups'
+//   plain average:  global ← local_g ← (1/G) Σ_g local_g  (the outer momentum unchanged)
 // The inner step is the caller's: the reference recipe (reference_group_step below) or any update.
 #pragma once
 #include "reference/training.h"
 
+#include <algorithm>
 #include <optional>
 
 struct ReferenceDiLoCoConfig {
@@ -18,14 +21,19 @@ struct ReferenceDiLoCoConfig {
   bool flipped_sign = false;  // torchft's bug before #233: Δ = local − global (the loss-level check)
 };
 
-// The record model's fragments: block i in fragment i F / L, the embeddings in fragment 0, lm_head
-// and the scalars in fragment F − 1.
+// The model's fragments, balanced by element count: whole parameters, the largest first (ties in
+// parameter order), each to the fragment with the fewest elements so far (ties to the lowest).
 inline std::vector<int> reference_fragment_of(const ModelConfig& c, int fragments) {
-  std::vector<int> of;
-  for (const ParamSpec& s : param_specs(c)) {
-    const bool embedding = s.role == ParamRole::embed || s.role == ParamRole::value_embed;
-    const bool head_side = s.role == ParamRole::lm_head || s.role == ParamRole::scalars;
-    of.push_back(embedding ? 0 : head_side ? fragments - 1 : s.layer * fragments / c.num_layers);
+  const std::vector<ParamSpec> specs = param_specs(c);
+  std::vector<size_t> order(specs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return specs[a].numel() > specs[b].numel(); });
+  std::vector<int> of(specs.size());
+  std::vector<int64_t> load(size_t(fragments), 0);
+  for (size_t i : order) {
+    const int f = int(std::min_element(load.begin(), load.end()) - load.begin());
+    of[i] = f;
+    load[size_t(f)] += specs[i].numel();
   }
   return of;
 }
@@ -48,13 +56,16 @@ class ReferenceOuterLoop {
     }
   }
 
-  // The end of training: the exchange in flight is applied, then each fragment syncs with α = 0.
+  // The end of training: the exchange in flight dropped, every parameter the groups' average.
   void finish(std::vector<Tensors*> groups) {
-    if (pending_) apply(groups, c_.alpha);
-    for (int f = 0; f < c_.fragments; ++f) {
-      start(f, 0, groups);
-      apply(groups, 0.0);
-    }
+    pending_.reset();
+    for (size_t i = 0; i < global_.size(); ++i)
+      for (size_t k = 0; k < global_[i].size(); ++k) {
+        double mean = 0;
+        for (const Tensors* local : groups) mean += (*local)[i][k] / double(groups.size());
+        global_[i][k] = mean;
+        for (Tensors* local : groups) (*local)[i][k] = mean;
+      }
   }
 
   const Tensors& global() const { return global_; }

@@ -20,8 +20,11 @@
 //   soap.py:283-286   P <- P - lr Q_L U Q_R^T (project_out, soap.py:484-500)
 // Initial state (soap.py:148-160): L, R, M, V and the eigenvalues zero, Q_L, Q_R identity.
 // The reference refreshes the eigenbases every step (the "realtime" of REKLS);
-// eigenbasis_every = N > 1 refreshes them at steps 1, N + 1, 2N + 1, ... only (our option, SOAP's
-// preconditioning frequency): between refreshes Q and lam stay, and M is not rotated.
+// eigenbasis_every = N > 1 refreshes them at steps 1, N + 1, 2N + 1, ... only (our option, as SOAP's
+// precondition_frequency): between refreshes Q stays and M is not rotated, and the KL rule's
+// eigenvalues are those of the current factors in the kept bases, lam = diag(Q^T L Q) (NVIDIA's
+// soap/soap.py with a refresh frequency: update_kronecker_factors_kl_shampoo takes
+// conjugate(L, Q, diag=True) of the factor it is about to update); at a refresh, eigh's.
 #pragma once
 #include "reference/eigen.h"
 #include "reference/model.h"
@@ -111,6 +114,21 @@ inline void rekls_refresh_eigenbasis(ReklsState& s) {
   s.M = rekls_rotate_in(s.M, s);
 }
 
+// Between refreshes: lam_L = diag(Q_L^T L Q_L), lam_R = diag(Q_R^T R Q_R) of the updated factors,
+// the eigenvalues the next step's KL rule uses (a refresh sets them to eigh's, the same quantity
+// in the new bases).
+inline void rekls_eigenvalues_in_basis(ReklsState& s) {
+  auto diagonal = [](const std::vector<double>& A, const std::vector<double>& Q, int k, std::vector<double>& lam) {
+    const std::vector<double> AQ = rekls_ref::product(A, Q, k, k, k);
+    for (int j = 0; j < k; ++j) {
+      lam[j] = 0;
+      for (int i = 0; i < k; ++i) lam[j] += Q[size_t(i) * k + j] * AQ[size_t(i) * k + j];
+    }
+  };
+  diagonal(s.L, s.QL, s.rows, s.lam_L);
+  diagonal(s.R, s.QR, s.cols, s.lam_R);
+}
+
 // One REKLS step t (1-based) of P [m, n] with gradient g (already normalised) at learning rate lr.
 inline void rekls_update(double* p, const double* g, ReklsState& s, double lr, int64_t t, const ReklsConfig& cfg) {
   const int m = s.rows, n = s.cols;
@@ -118,6 +136,7 @@ inline void rekls_update(double* p, const double* g, ReklsState& s, double lr, i
   const double b = 1 - (1 - cfg.shampoo_beta) / (1 - std::pow(cfg.shampoo_beta, double(t)));
   rekls_update_factors(s, G, b, cfg.eps);
   if (rekls_refreshes_eigenbasis(t, cfg.eigenbasis_every)) rekls_refresh_eigenbasis(s);
+  else rekls_eigenvalues_in_basis(s);
   const std::vector<double> rotated = rekls_rotate_in(G, s);
   const double bias1 = 1 - std::pow(cfg.beta1, double(t)), bias2 = 1 - std::pow(cfg.beta2, double(t));
   std::vector<double> U(rotated.size());
