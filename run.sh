@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Builds the trainer if needed, finds the data and trains on the local GPUs: one process per GPU
-# (NPROC overrides the count), ranks and rendezvous passed as torchrun does (RANK, WORLD_SIZE,
-# LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Started by a launcher (torchrun, mpirun, srun: its
-# variables are set), it runs the one process the launcher asked for. FineWeb shards in
+# (NPROC: fewer, at most the GPUs nvidia-smi lists, CUDA_VISIBLE_DEVICES counted), ranks and
+# rendezvous passed as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, a
+# random free-looking port unless set). Started by a launcher (torchrun, mpirun, srun: its
+# variables are set), it runs the one process the launcher asked for. SPEEDRUN_TRAINER names a
+# trainer built elsewhere (no build here: what launchers on several nodes should use, so that ranks
+# do not race one build/). FineWeb shards in
 # data/fineweb10B/ are used when present (python3 data/download_fineweb.py 8); otherwise the
 # bundled sample in data/sample/, with a warning and smoke-run settings; neither when the flags
 # name the training shards (--train-files). Extra flags are passed on and override those:
@@ -11,9 +14,23 @@
 # --log-dir) are from the caller's directory; the trainer runs in the repository, so the default
 # logs/ and checkpoints/ are there. A rank that fails stops the others (SIGTERM, then SIGKILL after
 # SPEEDRUN_STOP_GRACE seconds, 5 by default) and is named, with the end of its output.
+# ./run.sh --help: this text, then the trainer's flags (when it is built; nothing is built for it).
 set -euo pipefail
 caller=$PWD
 cd "$(dirname "$0")"
+
+for arg in "$@"; do
+  if [[ $arg == --help || $arg == -h ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    trainer=${SPEEDRUN_TRAINER:-./build/train_gpt}
+    echo
+    if [[ -x $trainer ]]; then
+      exec $trainer --help
+    fi
+    echo "The trainer's flags: build it first (cmake --preset release && cmake --build build --target train_gpt), then ./run.sh --help."
+    exit 0
+  fi
+done
 
 if [[ -n ${NPROC:-} ]] && ! [[ $NPROC =~ ^[0-9]{1,4}$ && 10#$NPROC -ge 1 ]]; then
   echo "error: NPROC='$NPROC' is not a number of processes (a positive integer: one process per GPU)" >&2
@@ -72,10 +89,21 @@ fi
 args=("${data[@]}" "${settings[@]}" "${flags[@]}")
 
 if [[ -n ${RANK:-}${OMPI_COMM_WORLD_RANK:-}${SLURM_PROCID:-} ]]; then exec $trainer "${args[@]}"; fi
+# The GPUs this process may use: nvidia-smi's, or as many as CUDA_VISIBLE_DEVICES lists of them.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+  listed=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c . || true)
+  ((listed < gpus)) && gpus=$listed
+fi
 if [[ -n ${NPROC:-} ]]; then
   nproc=$((10#$NPROC))
+  if ((nproc > 1 && nproc > gpus)); then
+    echo "error: NPROC=$NPROC is more than the $gpus GPU(s) this machine shows (nvidia-smi -L;" \
+         "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-(unset)}): one process per GPU" >&2
+    exit 2
+  fi
 else
-  nproc=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  nproc=$gpus
   ((nproc >= 1)) || nproc=1  # no GPU seen: one process, which says why it cannot train
 fi
 if ((nproc == 1)); then exec $trainer "${args[@]}"; fi

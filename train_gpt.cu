@@ -698,8 +698,12 @@ inline std::string resume_flags(const Hyperparameters& h, int world_size) {
          });
 }
 
-// "" when the checkpoint's flags equal this run's, else each difference.
-inline std::string resume_flag_differences(const std::string& saved, const std::string& now) {
+// "" when the checkpoint's flags equal this run's, else each difference. same_data (optional) says
+// whether two --train-files globs of different text match the same files (run.sh passes absolute
+// paths, a direct call relative ones).
+inline std::string resume_flag_differences(
+    const std::string& saved, const std::string& now,
+    const std::function<bool(const std::string&, const std::string&)>& same_data = nullptr) {
   auto parse = [](const std::string& text) {
     std::vector<std::pair<std::string, std::string>> values;
     std::istringstream in(text);
@@ -710,17 +714,26 @@ inline std::string resume_flag_differences(const std::string& saved, const std::
     return values;
   };
   const auto before = parse(saved), after = parse(now);
-  auto value_in = [](const auto& values, const std::string& name) {
+  // A flag one side does not record (DiLoCo's and REKLS's, where they were off) had its default.
+  const auto defaults = parse(exact_flag_lines(Hyperparameters{}, [](const std::string&) { return true; }));
+  auto value_in = [&](const auto& values, const std::string& name) -> std::pair<std::string, bool> {
     for (const auto& [n, v] : values)
-      if (n == name) return v;
-    return std::string("(none)");
+      if (n == name) return {v, false};
+    for (const auto& [n, v] : defaults)
+      if (n == name) return {v, true};
+    return {"(none)", false};
   };
+  auto text = [](const std::pair<std::string, bool>& v) { return v.first + (v.second ? " (default)" : ""); };
+  std::vector<std::string> names;
+  for (const auto& values : {after, before})
+    for (const auto& [name, value] : values)
+      if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
   std::string differences;
-  for (const auto& [name, value] : after)
-    if (value_in(before, name) != value)
-      differences += "; --" + name + " was " + value_in(before, name) + ", is " + value;
-  for (const auto& [name, value] : before)  // a setting only the checkpoint's run had (--matrix-optimizer rekls)
-    if (value_in(after, name) == "(none)") differences += "; --" + name + " was " + value + ", is (none)";
+  for (const std::string& name : names) {
+    const auto was = value_in(before, name), is = value_in(after, name);
+    if (was.first == is.first || (name == "train-files" && same_data && same_data(was.first, is.first))) continue;
+    differences += "; --" + name + " was " + text(was) + ", is " + text(is);
+  }
   return differences.empty() ? "" : differences.substr(2);
 }
 
@@ -2052,6 +2065,23 @@ inline void check_output_folders(const Hyperparameters& h, const ProcessGroupEnv
 }
 
 // Throws for a checkpoint this run cannot continue; returns how the settings differ ("" if not).
+// Whether two globs match the same files (the same file by any path, in order, of the same sizes).
+inline bool same_shard_files(const std::string& a, const std::string& b) {
+  try {
+    const std::vector<std::string> x = list_shards(a), y = list_shards(b);
+    if (x.size() != y.size()) return false;
+    for (size_t i = 0; i < x.size(); ++i) {
+      std::error_code error;
+      if (!std::filesystem::equivalent(x[i], y[i], error) ||
+          std::filesystem::file_size(x[i], error) != std::filesystem::file_size(y[i], error))
+        return false;
+    }
+    return true;
+  } catch (const DataError&) {  // a glob that matches nothing here: not the same data
+    return false;
+  }
+}
+
 inline std::string settings_differences(const Hyperparameters& h, int world_size, const Checkpoint& c,
                                         const std::string& path) {
   if (std::filesystem::path(path).filename() != std::filesystem::path(checkpoint_path("", c.step)).filename())
@@ -2060,7 +2090,8 @@ inline std::string settings_differences(const Hyperparameters& h, int world_size
     throw CheckpointError(path + ": step " + std::to_string(c.step) + " is past --num-iterations " +
                           std::to_string(h.num_iterations));
   const std::vector<uint8_t>& saved = c.blob(kRunFlagsBlob, path);
-  return resume_flag_differences(std::string(saved.begin(), saved.end()), resume_flags(h, world_size));
+  return resume_flag_differences(std::string(saved.begin(), saved.end()), resume_flags(h, world_size),
+                                 same_shard_files);
 }
 
 // The checkpoint --resume continues from: this rank's newest, read whole and verified (its hashes,
@@ -2071,13 +2102,38 @@ struct ResumePoint {
   std::string differences;  // the settings that differ from the checkpoint's, with --resume-other-settings
 };
 
+// Where --checkpoint-dir holds another world size's run: ": ..." saying so, else "". A checkpoint
+// resumes on the world size that wrote it: one rank's in the folder itself, rank r's of several in
+// rank<r>/.
+inline std::string other_world_size(const Hyperparameters& h, const ProcessGroupEnv& g) {
+  int ranks = 0;  // the folders rank<r>/ that hold a checkpoint: r + 1 at most
+  std::error_code error;
+  for (const auto& e : std::filesystem::directory_iterator(h.checkpoint_dir, error)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 4 && name.size() < 10 && name.rfind("rank", 0) == 0 &&
+        std::all_of(name.begin() + 4, name.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+        !newest_checkpoint(e.path().string()).empty())
+      ranks = std::max(ranks, std::stoi(name.substr(4)) + 1);
+  }
+  const std::string rule = " (a checkpoint resumes on the world size that wrote it)";
+  if (g.world_size == 1 && ranks > 0)
+    return ": its folders rank0/ to rank" + std::to_string(ranks - 1) + "/ hold a run of " + std::to_string(ranks) +
+           " ranks; resume it with NPROC=" + std::to_string(ranks) + rule;
+  if (g.world_size > 1 && !newest_checkpoint(h.checkpoint_dir).empty())
+    return ": " + h.checkpoint_dir + " itself holds a one-rank run's checkpoints; resume it with NPROC=1" + rule;
+  if (g.world_size > 1 && ranks > 0 && ranks != g.world_size)
+    return ": its folders hold a run of " + std::to_string(ranks) + " ranks, this one has " +
+           std::to_string(g.world_size) + rule;
+  return "";
+}
+
 inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h, const ProcessGroupEnv& g) {
   if (!h.resume) return std::nullopt;
   try {
     ResumePoint r;
     const std::string dir = rank_checkpoint_dir(h, g);
     r.path = newest_checkpoint(dir);
-    if (r.path.empty()) throw CheckpointError("no checkpoint in " + dir);
+    if (r.path.empty()) throw CheckpointError("no checkpoint in " + dir + other_world_size(h, g));
     r.checkpoint = read_checkpoint(r.path);
     r.differences = settings_differences(h, g.world_size, r.checkpoint, r.path);
     if (!r.differences.empty() && !h.resume_other_settings)

@@ -292,19 +292,28 @@ TEST_CASE("a resumed run must have the checkpoint's training settings; each diff
   CHECK(saved.find("diloco") == std::string::npos);
   Hyperparameters diloco = h;
   diloco.diloco_groups = 2;
+  // a flag the checkpoint does not record had its default: only real differences are named
+  CHECK(resume_flag_differences(saved, resume_flags(diloco, 8)) == "--diloco-groups was 1 (default), is 2");
+  diloco.diloco_fragments = 4;
   CHECK(resume_flag_differences(saved, resume_flags(diloco, 8)) ==
-        "--diloco-groups was (none), is 2; --diloco-fragments was (none), is 3; --diloco-sync-every was (none), is 30; "
-        "--diloco-sync-delay was (none), is 0; --diloco-outer-lr was (none), is 0.7; --diloco-outer-momentum was (none), "
-        "is 0.9; --diloco-alpha was (none), is 0; --diloco-comm was (none), is fp32");
+        "--diloco-groups was 1 (default), is 2; --diloco-fragments was 3 (default), is 4");
   // REKLS's settings are recorded where it is on only: a Muon run's checkpoint reads as before.
   Hyperparameters rekls = h;
   rekls.matrix_optimizer = "rekls";
   CHECK(saved.find("rekls") == std::string::npos);
-  CHECK(resume_flag_differences(saved, resume_flags(rekls, 8)).rfind("--matrix-optimizer was (none), is rekls; ", 0) == 0);
-  CHECK(resume_flag_differences(resume_flags(rekls, 8), saved).rfind("--matrix-optimizer was rekls, is (none); ", 0) == 0);
+  CHECK(resume_flag_differences(saved, resume_flags(rekls, 8)) == "--matrix-optimizer was muon (default), is rekls");
+  CHECK(resume_flag_differences(resume_flags(rekls, 8), saved) == "--matrix-optimizer was rekls, is muon (default)");
   rekls.rekls_lr = 0.01;
-  CHECK(resume_flag_differences(resume_flags(rekls, 8), resume_flags(h, 8)).find("--rekls-lr was 0.01, is (none)") !=
-        std::string::npos);
+  CHECK(resume_flag_differences(resume_flags(rekls, 8), resume_flags(h, 8)) ==
+        "--matrix-optimizer was rekls, is muon (default); --rekls-lr was 0.01, is 0.005 (default)");
+  // Data globs are compared by the files they match: run.sh's absolute path is the same data.
+  Hyperparameters relative = h, absolute = h, other_data = h;
+  relative.train_files = "data/sample/sample_train_*.bin";
+  absolute.train_files = (std::filesystem::current_path() / "data/sample/sample_train_*.bin").string();
+  other_data.train_files = "data/sample/sample_val_*.bin";
+  CHECK(resume_flag_differences(resume_flags(relative, 8), resume_flags(absolute, 8), same_shard_files).empty());
+  CHECK(resume_flag_differences(resume_flags(relative, 8), resume_flags(other_data, 8), same_shard_files) ==
+        "--train-files was data/sample/sample_train_*.bin, is data/sample/sample_val_*.bin");
 }
 
 int main() { return check::run_checks(); }

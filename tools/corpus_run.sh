@@ -25,6 +25,10 @@ cd "$(dirname "$0")/.."
 staged=.carry/corpus
 shards=corpus-bin
 trainer=build/train_gpt
+# Every temporary folder (the runs' checkpoints, the step runs' logs) lies in one, removed at exit
+# whatever the exit.
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 
 unpack() {
   mkdir -p "$shards"
@@ -54,8 +58,7 @@ mean_step_ms() {
 }
 
 steps() {
-  local K=${1:-20} work
-  work=$(mktemp -d)
+  local K=${1:-20}
   printf '| M | communicator | tokens/step | mean step (ms) | tokens/s | MFU (6N, vs 989 TFLOP/s) |\n|---|---|---|---|---|---|\n'
   for run in "1 none" "8 none" "8 nccl"; do
     local M=${run% *} comm=${run#* } name="M${run% *}_${run#* }" extra=()
@@ -78,7 +81,6 @@ steps() {
   echo
   python3 tools/timeline_summary.py "$trace"
   if [[ -n ${OUT:-} ]]; then cp "$trace" "$OUT/"; fi
-  rm -rf "$work"
 }
 
 full() {
@@ -88,7 +90,7 @@ full() {
   before=$(ls logs)
   for ((i = 0; i < runs; ++i)); do
     "$trainer" "${data_flags[@]}" --micro-batches 1 --num-iterations 860 --val-every 125 \
-      --checkpoint-dir "$(mktemp -d)" --log-dir logs "$@"
+      --checkpoint-dir "$work/checkpoints_$i" --log-dir logs "$@"
   done
   local new=()
   for f in logs/*.txt; do grep -qxF "$(basename "$f")" <<<"$before" || new+=("$f"); done

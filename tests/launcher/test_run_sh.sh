@@ -5,11 +5,18 @@
 #                                 named on the command line get no sample settings
 #   refuses_bad_nproc             NPROC=abc, NPROC=0 and a bad SPEEDRUN_STOP_GRACE are refused
 #                                 (status 2), nothing started
+#   refuses_nproc_above_gpus      NPROC above the GPUs nvidia-smi lists (CUDA_VISIBLE_DEVICES
+#                                 counted; none: NPROC 1 only) is refused (status 2), nothing started
+#   help_without_building         ./run.sh --help prints its own usage, then the trainer's flags when
+#                                 it is built, and builds nothing
+#   slurm_script                  tools/slurm_speedrun.sbatch under stand-in scontrol and srun: rank
+#                                 0's address from the node list, the prebuilt trainer, the flags on
 #   names_killing_signal          a rank killed by SIGKILL is named with its signal (status 137)
 #   kills_ranks_ignoring_sigterm  a rank that ignores SIGTERM gets SIGKILL after SPEEDRUN_STOP_GRACE
 #   shows_failed_rank_output      a failed rank above 0 has the end of its output on the console
 #   paths_from_caller             relative paths in the path flags are from the caller's directory
 #   sample_settings               the sample fallback's settings are in its warning and its README
+# nvidia-smi is a stand-in (tests/launcher/nvidia-smi) listing FAKE_GPUS GPUs, 4 unless set.
 # Usage: test_run_sh.sh CASE
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +25,7 @@ fake=$repo/tests/launcher/fake_rank.sh
 fail() { echo "FAILED: $*"; exit 1; }
 # A command with stand-in ranks, VAR=value words first: its output in $out, its status in $rc.
 launch() {
-  out=$(env SPEEDRUN_TRAINER="$fake" "$@" 2>&1)
+  out=$(env PATH="$repo/tests/launcher:$PATH" SPEEDRUN_TRAINER="$fake" "$@" 2>&1)
   rc=$?
   echo "$out"
 }
@@ -56,6 +63,49 @@ refuses_bad_nproc() {
   done
   launch NPROC=2 SPEEDRUN_STOP_GRACE=soon ./run.sh
   expect 2 "^error: SPEEDRUN_STOP_GRACE='soon' is not a whole number of seconds$"
+}
+
+refuses_nproc_above_gpus() {
+  rm -f logs/rank[0-9]*.out
+  launch FAKE_GPUS=2 NPROC=3 ./run.sh
+  expect 2 "^error: NPROC=3 is more than the 2 GPU(s) this machine shows (nvidia-smi -L; CUDA_VISIBLE_DEVICES=(unset)): one process per GPU$"
+  grep -q "rank 0 of" <<<"$out" && fail "NPROC=3 started a rank on 2 GPUs"
+  launch FAKE_GPUS=8 CUDA_VISIBLE_DEVICES=3,5 NPROC=3 ./run.sh
+  expect 2 "^error: NPROC=3 is more than the 2 GPU(s) this machine shows (nvidia-smi -L; CUDA_VISIBLE_DEVICES=3,5)"
+  launch FAKE_GPUS=0 NPROC=9999 ./run.sh
+  expect 2 "^error: NPROC=9999 is more than the 0 GPU(s) this machine shows"
+  launch FAKE_GPUS=2 NPROC=2 RUN_SECONDS=0 ./run.sh
+  expect 0 "rank 0 of 2 (local 0 of 2)"
+}
+
+help_without_building() {
+  launch SPEEDRUN_TRAINER=/nonexistent/train_gpt ./run.sh --seed 3 --help
+  expect 0 "^Builds the trainer if needed, finds the data and trains on the local GPUs"
+  grep -q "^The trainer's flags: build it first" <<<"$out" || fail "no word on the trainer's flags"
+  grep -q "NPROC" <<<"$out" || fail "run.sh's usage does not name NPROC"
+  helper=$(mktemp)
+  printf '#!/usr/bin/env bash\necho "the trainer says: $*"\n' >"$helper"
+  chmod +x "$helper"
+  launch SPEEDRUN_TRAINER="$helper" ./run.sh -h
+  rm -f "$helper"
+  expect 0 "^the trainer says: --help$"
+}
+
+slurm_script() {
+  stand_ins=$(mktemp -d)
+  printf '#!/usr/bin/env bash\n[[ $1 == show && $2 == hostnames ]] && printf "gpu-a7\\ngpu-a8\\n"\n' >"$stand_ins/scontrol"
+  # srun: one task, as srun would start it (its variables), running the command it was given
+  printf '#!/usr/bin/env bash\nshift\nSLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 SLURM_NTASKS_PER_NODE=1 exec "$@"\n' \
+    >"$stand_ins/srun"
+  chmod +x "$stand_ins/scontrol" "$stand_ins/srun"
+  out=$(env PATH="$stand_ins:$PATH" SLURM_JOB_NODELIST="gpu-a[7-8]" SLURM_SUBMIT_DIR="$repo" SPEEDRUN_TRAINER="$fake" \
+    RUN_SECONDS=0 bash tools/slurm_speedrun.sbatch --seed 4 2>&1)
+  rc=$?
+  rm -rf "$stand_ins"
+  echo "$out"
+  [[ $rc == 0 ]] || fail "exit status $rc"
+  grep -q "^rank  of  (local  of ) master gpu-a7:29500 pid .* args: .*--seed 4$" <<<"$out" ||
+    fail "the rank did not get MASTER_ADDR=gpu-a7, MASTER_PORT=29500 and the flags"
 }
 
 names_killing_signal() {
