@@ -14,6 +14,8 @@
 # --log-dir) are from the caller's directory; the trainer runs in the repository, so the default
 # logs/ and checkpoints/ are there. A rank that fails stops the others (SIGTERM, then SIGKILL after
 # SPEEDRUN_STOP_GRACE seconds, 5 by default) and is named, with the end of its output.
+# --ranks-share-gpu with NPROC=W: W ranks on a machine's one GPU, NCCL over loopback sockets (to
+# test multi-rank NCCL with one GPU; refused where there are several GPUs).
 # ./run.sh --help: this text, then the trainer's flags (when it is built; nothing is built for it).
 set -euo pipefail
 caller=$PWD
@@ -95,11 +97,27 @@ if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
   listed=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c . || true)
   ((listed < gpus)) && gpus=$listed
 fi
-if [[ -n ${NPROC:-} ]]; then
+share_gpu=false
+for arg in "${flags[@]}"; do [[ $arg == --ranks-share-gpu ]] && share_gpu=true; done
+if $share_gpu; then
+  # NPROC ranks on one GPU, on purpose: never where each rank can have its own.
+  if [[ -z ${NPROC:-} ]] || ((10#$NPROC < 2)); then
+    echo "error: --ranks-share-gpu puts NPROC ranks on one GPU: set NPROC=2 or more" >&2
+    exit 2
+  fi
+  if ((gpus != 1)); then
+    echo "error: --ranks-share-gpu puts every rank on one GPU, but this machine shows $gpus (nvidia-smi -L;" \
+         "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-(unset)}): with several, leave the flag out (one process" \
+         "per GPU) or show one (CUDA_VISIBLE_DEVICES=0)" >&2
+    exit 2
+  fi
+  nproc=$((10#$NPROC))
+elif [[ -n ${NPROC:-} ]]; then
   nproc=$((10#$NPROC))
   if ((nproc > 1 && nproc > gpus)); then
     echo "error: NPROC=$NPROC is more than the $gpus GPU(s) this machine shows (nvidia-smi -L;" \
-         "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-(unset)}): one process per GPU" >&2
+         "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-(unset)}): one process per GPU (--ranks-share-gpu" \
+         "runs several on one GPU, to test multi-rank NCCL)" >&2
     exit 2
   fi
 else

@@ -82,7 +82,9 @@ struct Hyperparameters {
   double rekls_lr = 0.005, rekls_beta1 = 0.9, rekls_beta2 = 0.95, rekls_shampoo_beta = 0.95, rekls_eps = 1e-8;
   double rekls_weight_decay = 0.01;
   int rekls_eigenbasis_every = 1;   // steps between eigendecompositions (1: REKLS's every step)
-  std::string rekls_eigensolver = "batched";  // batched (syevBatched; 30% faster, H200) or syevd (a factor at a time)
+  // syevd (a factor at a time: any W gives W = 1's bases) or batched (syevBatched, 30% faster on an
+  // H200, but a factor's result depends on its batch, so W ranks drift from W = 1: docs/REKLS.md)
+  std::string rekls_eigensolver = "syevd";
   // run
   uint64_t seed = 0;                // 0: a fresh random seed, logged (record runs are independent)
   int checkpoint_every = 0;         // 0: a checkpoint at the end only
@@ -112,6 +114,7 @@ struct Hyperparameters {
   int profile_step = 0;             // > 0: that step alone inside cudaProfilerStart/Stop (tools/kernel_profile)
   int stall_timeout = 600;          // seconds without progress after which a rank exits (0: never)
   bool nccl_single_rank = false;    // one rank through NCCL anyway (to measure what NCCL costs)
+  bool ranks_share_gpu = false;     // every rank on this machine's one GPU, NCCL over the loopback (tests)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -200,7 +203,8 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"rekls-eigenbasis-every", &h.rekls_eigenbasis_every, "REKLS steps between eigendecompositions (1: every step)",
        positive(&h.rekls_eigenbasis_every), "positive"},
       {"rekls-eigensolver", &h.rekls_eigensolver,
-       "REKLS eigendecompositions: batched (syevBatched per factor size) or syevd (a factor at a time)",
+       "REKLS eigendecompositions: syevd (a factor at a time) or batched (syevBatched per factor size: faster, "
+       "but W ranks no longer reproduce one)",
        one_of(&h.rekls_eigensolver, {"syevd", "batched"}), "syevd or batched"},
       {"seed", &h.seed, "initialisation seed (0: a fresh one per run, logged)", nullptr, ""},
       {"checkpoint-every", &h.checkpoint_every, "steps between checkpoints (0: at the end only)",
@@ -264,6 +268,10 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "seconds without progress (a hung collective) after which a rank exits 75 (0: never)",
        non_negative(&h.stall_timeout), "non-negative"},
       {"nccl-single-rank", &h.nccl_single_rank, "with one rank, communicate through NCCL anyway (measures its cost)",
+       nullptr, ""},
+      {"ranks-share-gpu", &h.ranks_share_gpu,
+       "all ranks (run.sh NPROC=2 or more) on this machine's one GPU, NCCL over loopback sockets: multi-rank "
+       "NCCL where there is one GPU (slow; each rank needs a whole rank's memory)",
        nullptr, ""},
   };
 }
@@ -2509,6 +2517,27 @@ inline ProcessGroupEnv launcher_environment() {
   }
 }
 
+// --ranks-share-gpu, before NCCL starts: refused where this process sees several GPUs (each rank
+// can have its own, and the flag would only slow NCCL down); else every rank on GPU 0, each with an
+// NCCL host id of its own (kernels/rendezvous.h). A GPU error is left to select_gpu to name.
+inline void share_one_gpu(const ProcessGroupEnv& g) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 1)
+    throw FlagError("--ranks-share-gpu: this process sees " + std::to_string(count) +
+                    " GPUs, so each rank can have its own: leave the flag out (NCCL then takes the fast "
+                    "paths), or show each process one GPU (CUDA_VISIBLE_DEVICES=0)");
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "host");
+  std::string settings;
+  for (const auto& [name, value] : shared_gpu_nccl_environment(g, host)) {
+    setenv(name.c_str(), value.c_str(), /*overwrite=*/1);
+    settings += " " + name + "=" + value;
+  }
+  if (g.rank == 0)
+    std::printf("--ranks-share-gpu: %d ranks on one GPU, NCCL over sockets on the loopback (rank 0:%s)\n",
+                g.world_size, settings.c_str());
+}
+
 int run_training(const Hyperparameters& h) {
   if (h.self_check_only) {  // no data, no ranks: this GPU's fast paths alone
     require_hopper_gpu(select_gpu(launcher_environment().local_rank));
@@ -2516,10 +2545,12 @@ int run_training(const Hyperparameters& h) {
   }
   check_data(h);
   const ProcessGroupEnv g = launcher_environment();
+  if (h.ranks_share_gpu && !ranks_share_gpu_problem(g).empty()) throw FlagError(ranks_share_gpu_problem(g));
   const std::string diloco_problem = diloco_settings_problem(diloco_settings(h), g.world_size, GPTConfig().num_layers);
   if (!diloco_problem.empty()) throw FlagError(diloco_problem);
   check_output_folders(h, g);
   std::optional<ResumePoint> resume_point = checkpoint_to_resume(h, g);
+  if (h.ranks_share_gpu) share_one_gpu(g);
   require_hopper_gpu(select_gpu(g.local_rank));
   return TrainingRun(h, g).run(std::move(resume_point));
 }

@@ -27,6 +27,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 struct ProcessGroupEnv {
@@ -450,4 +451,30 @@ inline void broadcast_id_over_tcp(const ProcessGroupEnv& g, UniqueIdBytes& id, s
   if (g.rank == 0) return serve_id(g, id, deadline, timeout);
   Socket master = connect_to_master(g, deadline, timeout);
   receive_id(g, master.fd(), id, deadline, timeout);
+}
+
+// Several ranks on one GPU (--ranks-share-gpu: multi-rank NCCL on a machine with one GPU, for
+// tests). NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected": the same host
+// hash and bus id); a host id per rank (NCCL_HOSTID replaces the hash of the host's name) makes
+// each rank a node of its own, so that the ranks talk over NCCL's socket transport on the loopback.
+// What only works within one real node is turned off: InfiniBand, NVLink SHARP, multi-node NVLink.
+// "" when the job can share a GPU, else why not.
+inline std::string ranks_share_gpu_problem(const ProcessGroupEnv& g) {
+  if (g.local_world_size < 2)
+    return "--ranks-share-gpu puts 2 or more ranks on one GPU, but this machine runs " +
+           std::to_string(g.local_world_size) + " (run.sh with NPROC=2 or more)";
+  if (g.world_size != g.local_world_size)
+    return "--ranks-share-gpu: the ranks talk over the loopback, so all " + std::to_string(g.world_size) +
+           " must run on this machine, which runs " + std::to_string(g.local_world_size);
+  return "";
+}
+
+// The variables to set before NCCL starts, in the order they are set (host: this machine's name).
+inline std::vector<std::pair<std::string, std::string>> shared_gpu_nccl_environment(const ProcessGroupEnv& g,
+                                                                                    const std::string& host) {
+  return {{"NCCL_HOSTID", host + "-rank" + std::to_string(g.rank)},
+          {"NCCL_SOCKET_IFNAME", "lo"},
+          {"NCCL_IB_DISABLE", "1"},
+          {"NCCL_NVLS_ENABLE", "0"},
+          {"NCCL_MNNVL_ENABLE", "0"}};
 }

@@ -270,7 +270,7 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("- GPU 0: self-check: 2 checks, 0 failed, 2.1 s", report)
         self.assertIn("| rmsnorm fwd [49152, 768] | 0.056 | 2.68 TB/s | 89.1% |", report)
         self.assertIn("| compiled F.rms_norm fwd | 0.070 | 0.056 | 0.80 |", report)
-        self.assertIn("One GPU: the oracle over NCCL ranks needs 2 or more; not applicable here.", report)
+        self.assertIn("One GPU: W ranks share it (`--ranks-share-gpu`", report)
         commands = self.commands()
         self.assertIn("ctest --test-dir build -L gpu -LE slow -E ^smoke_run$", commands)
         self.assertIn("ctest --test-dir build -L slow -j 3", commands)
@@ -341,10 +341,19 @@ class AcceptanceTest(unittest.TestCase):
                           ("bf16-rs", "4", "0.5", "FAILED"), ("a2a-fp32acc", "4", "0.5", "ok")])
         self.assertRegex(rows[0][2], r"^2\.000e-04 \(lm_head\.weight, rank1\)$")
         self.assertRegex(rows[5][2], r"^4\.000e-04 \(lm_head\.weight, rank3\)$")
-        self.assertEqual(rows[2][2], "the run FAILED (exit 1)")
+        self.assertEqual(rows[2][2], "the run FAILED (exit 1: error: NCCL error: unhandled system error)")
         self.assertRegex(rows[4][2], r"^1\.000e\+00 \(lm_head\.weight, rank0\)$")
         diloco = re.findall(r"^\| (\d) \| (\d) \| (\d+) \| (ok|FAILED[^|]*) \| \d+ s \|$", report, re.M)
         self.assertEqual(diloco, [("2", "1", "4", "ok"), ("4", "2", "4", "ok")])
+
+    def test_with_one_gpu_the_nccl_ranks_share_it(self):
+        status, report, output = self.acceptance("nccl", gpus=1)
+        self.assertEqual(status, 0, output)
+        runs = [(c["NPROC"], "--ranks-share-gpu" in c["args"]) for c in self.run_sh_calls()]
+        self.assertEqual(runs, [(1, False)] + [(2, True)] * 3 + [(4, True)] * 3 + [(2, True), (4, True)])
+        self.assertIn("each rank its own NCCL_HOSTID", report)
+        self.assertEqual(len(re.findall(r"^\| [a-z0-9]+-[a-z0-9]+ \| [24] \| .* \| ok \| \d+ s \|$", report, re.M)), 6)
+        self.assertEqual(len(re.findall(r"^\| [24] \| [12] \| 4 \| ok \| \d+ s \|$", report, re.M)), 2)
 
     def test_the_anchor_phase_tables_both_programs_side_by_side(self):
         status, report, output = self.acceptance("anchor", gpus=1)

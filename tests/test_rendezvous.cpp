@@ -194,6 +194,23 @@ TEST_CASE("bad launcher environments are errors that name the variable and the v
                     "MASTER_PORT='65535' is not an integer in [1, 65534]");
 }
 
+TEST_CASE("ranks sharing one GPU: all on this machine, 2 or more, each its own NCCL host id over the loopback") {
+  ProcessGroupEnv two = parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "4000"}});
+  CHECK(ranks_share_gpu_problem(two).empty());
+  CHECK(contains(ranks_share_gpu_problem(parse({})), "puts 2 or more ranks on one GPU, but this machine runs 1"));
+  ProcessGroupEnv two_nodes = parse({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"},
+                                     {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "4000"}});
+  CHECK(contains(ranks_share_gpu_problem(two_nodes), "all 4 must run on this machine, which runs 2"));
+  const auto env = shared_gpu_nccl_environment(two, "gpu7");
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {"NCCL_HOSTID", "gpu7-rank1"}, {"NCCL_SOCKET_IFNAME", "lo"}, {"NCCL_IB_DISABLE", "1"},
+      {"NCCL_NVLS_ENABLE", "0"}, {"NCCL_MNNVL_ENABLE", "0"}};
+  CHECK(env == expected);
+  ProcessGroupEnv zero = two;
+  zero.rank = 0;
+  CHECK(shared_gpu_nccl_environment(zero, "gpu7")[0].second == "gpu7-rank0");  // distinct per rank
+}
+
 TEST_CASE("local processes exchange rank 0's id over TCP, rank 0 starting first or last") {
   for (int W : {2, 4}) {
     for (const Outcome& o : exchange(W, all_ranks(W), milliseconds(3000))) CHECK(o.error.empty());

@@ -16,8 +16,9 @@
 #   profile     every kernel's time in step 5 of 6 at M = 8, the trainer's and the record code's
 #               (tools/kernel_profile.so through --profile-step; tools/profile_summary.py), and where
 #               ncu reads hardware counters, those of the attention and cross-entropy kernels
-#   nccl        with 2 or more GPUs: the distributed oracle over real NCCL ranks, one process per
-#               GPU: the trainer at W = 2, 4 and all GPUs in every --grad-comm mode against W = 1
+#   nccl        the distributed oracle over real NCCL ranks, one process per GPU (with one GPU, W
+#               ranks share it: --ranks-share-gpu, NCCL over loopback sockets): the trainer at
+#               W = 2, 4 and all GPUs in every --grad-comm mode against W = 1
 #               on the same data, compared parameter by parameter (tools/compare_checkpoints.py);
 #               then Streaming DiLoCo in 2 groups at W = 2 (and 4): its communicator splits and
 #               exchanges over NCCL, the trainer checking that all ranks agree after the final sync
@@ -204,23 +205,36 @@ phase_self_check() {
   return "$failed"
 }
 
-# oracle_run <W> <grad-comm> <checkpoint folder>: the trainer over W NCCL ranks (one, W = 1: no NCCL).
+# With one GPU the nccl phase's ranks share it (--ranks-share-gpu: NCCL over loopback sockets).
+share_flags=()
+
+# ranks_run <W> <output file> <flags...>: the trainer over W NCCL ranks (one, W = 1: no NCCL).
+ranks_run() {
+  local W=$1 file=$2 share=()
+  shift 2
+  ((W > 1)) && share=("${share_flags[@]}")
+  capture "$file" env NPROC="$W" ./run.sh "${oracle_flags[@]}" "${share[@]}" "$@" --log-dir "$work/logs"
+}
+
+# oracle_run <W> <grad-comm> <checkpoint folder>
 oracle_run() {
-  capture "$work/oracle_run.txt" env NPROC="$1" ./run.sh "${oracle_flags[@]}" --grad-comm "$2" \
-    --checkpoint-dir "$3" --log-dir "$work/logs"
+  ranks_run "$1" "$work/oracle_run.txt" --grad-comm "$2" --checkpoint-dir "$3"
 }
 
 phase_nccl() {
   need_gpu || return 77
   local n=${#gpus[@]} worlds=() W mode dir status start failed=0 bound result
-  if ((n < 2)); then
-    say "One GPU: the oracle over NCCL ranks needs 2 or more; not applicable here."
-    return 0
-  fi
   build_targets train_gpt || return 1
-  for W in 2 4 "$n"; do
-    if ((W <= n)) && [[ " ${worlds[*]} " != *" $W "* ]]; then worlds+=("$W"); fi
-  done
+  if ((n < 2)); then
+    share_flags=(--ranks-share-gpu)
+    worlds=(2 4)
+    say "One GPU: W ranks share it (\`--ranks-share-gpu\`: each rank its own NCCL_HOSTID, NCCL's socket" \
+      "transport over the loopback). Real NCCL calls, groups and splits; NVLink is not exercised." ""
+  else
+    for W in 2 4 "$n"; do
+      if ((W <= n)) && [[ " ${worlds[*]} " != *" $W "* ]]; then worlds+=("$W"); fi
+    done
+  fi
   start=$SECONDS
   oracle_run 1 fp32-rs "$work/oracle_W1"
   status=$?
@@ -247,7 +261,7 @@ phase_nccl() {
         ((status == 0 || status == 1)) || result="the comparison failed (exit $status): $(tail -1 "$work/compare.txt") | $bound | FAILED"
       else
         status=$?
-        result="the run FAILED (exit $status) | $bound | FAILED"
+        result="the run FAILED (exit $status: $(grep -m1 '^error' "$work/oracle_run.txt")) | $bound | FAILED"
         failed=1
       fi
       say "| $mode | $W | $result | $((SECONDS - start)) s |"
@@ -267,11 +281,11 @@ phase_nccl_diloco() {
     "the same $oracle_steps steps): every rank must hold the same parameters after the final sync." "" \
     "| W | groups of | syncs logged | verdict | time |" "|---|---|---|---|---|"
   for W in 2 4; do
-    ((W <= ${#gpus[@]})) || continue
+    ((W <= ${#gpus[@]} || ${#share_flags[@]})) || continue
     start=$SECONDS
     out=$work/diloco_W$W.txt
-    capture "$out" env NPROC="$W" ./run.sh "${oracle_flags[@]}" --diloco-groups 2 --diloco-fragments 2 \
-      --diloco-sync-every 4 --diloco-sync-delay 1 --checkpoint-dir "$work/diloco_W$W" --log-dir "$work/logs"
+    ranks_run "$W" "$out" --diloco-groups 2 --diloco-fragments 2 --diloco-sync-every 4 --diloco-sync-delay 1 \
+      --checkpoint-dir "$work/diloco_W$W"
     status=$?
     syncs=$(grep -c '^diloco: fragment' "$out")
     if ((status == 0 && syncs > 0)); then

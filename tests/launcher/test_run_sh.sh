@@ -7,6 +7,8 @@
 #                                 (status 2), nothing started
 #   refuses_nproc_above_gpus      NPROC above the GPUs nvidia-smi lists (CUDA_VISIBLE_DEVICES
 #                                 counted; none: NPROC 1 only) is refused (status 2), nothing started
+#   ranks_share_gpu               --ranks-share-gpu starts NPROC ranks on a machine showing one GPU,
+#                                 and is refused with several GPUs or fewer than 2 ranks
 #   help_without_building         ./run.sh --help prints its own usage, then the trainer's flags when
 #                                 it is built, and builds nothing
 #   slurm_script                  tools/slurm_speedrun.sbatch under stand-in scontrol and srun: rank
@@ -68,7 +70,7 @@ refuses_bad_nproc() {
 refuses_nproc_above_gpus() {
   rm -f logs/rank[0-9]*.out
   launch FAKE_GPUS=2 NPROC=3 ./run.sh
-  expect 2 "^error: NPROC=3 is more than the 2 GPU(s) this machine shows (nvidia-smi -L; CUDA_VISIBLE_DEVICES=(unset)): one process per GPU$"
+  expect 2 "^error: NPROC=3 is more than the 2 GPU(s) this machine shows (nvidia-smi -L; CUDA_VISIBLE_DEVICES=(unset)): one process per GPU (--ranks-share-gpu runs several on one GPU, to test multi-rank NCCL)$"
   grep -q "rank 0 of" <<<"$out" && fail "NPROC=3 started a rank on 2 GPUs"
   launch FAKE_GPUS=8 CUDA_VISIBLE_DEVICES=3,5 NPROC=3 ./run.sh
   expect 2 "^error: NPROC=3 is more than the 2 GPU(s) this machine shows (nvidia-smi -L; CUDA_VISIBLE_DEVICES=3,5)"
@@ -76,6 +78,25 @@ refuses_nproc_above_gpus() {
   expect 2 "^error: NPROC=9999 is more than the 0 GPU(s) this machine shows"
   launch FAKE_GPUS=2 NPROC=2 RUN_SECONDS=0 ./run.sh
   expect 0 "rank 0 of 2 (local 0 of 2)"
+}
+
+ranks_share_gpu() {
+  rm -f logs/rank[0-9]*.out
+  launch FAKE_GPUS=1 NPROC=3 RUN_SECONDS=0 ./run.sh --ranks-share-gpu
+  expect 0 "rank 0 of 3 (local 0 of 3) master 127.0.0.1:.* args: .*--ranks-share-gpu"
+  grep -q "rank 2 of 3" logs/rank2.out || fail "the third rank did not start on the one GPU"
+  for gpus in 2 4; do
+    launch FAKE_GPUS=$gpus NPROC=$gpus ./run.sh --ranks-share-gpu
+    expect 2 "^error: --ranks-share-gpu puts every rank on one GPU, but this machine shows $gpus (nvidia-smi -L;"
+  done
+  launch FAKE_GPUS=8 CUDA_VISIBLE_DEVICES=0 NPROC=2 RUN_SECONDS=0 ./run.sh --ranks-share-gpu
+  expect 0 "rank 0 of 2"
+  for nproc in "" 1; do
+    launch FAKE_GPUS=1 NPROC=$nproc ./run.sh --ranks-share-gpu
+    expect 2 "^error: --ranks-share-gpu puts NPROC ranks on one GPU: set NPROC=2 or more$"
+  done
+  grep -q "rank 0 of" <<<"$out" && fail "a refused --ranks-share-gpu started a rank"
+  return 0
 }
 
 help_without_building() {
