@@ -82,9 +82,6 @@ struct Hyperparameters {
   double rekls_lr = 0.005, rekls_beta1 = 0.9, rekls_beta2 = 0.95, rekls_shampoo_beta = 0.95, rekls_eps = 1e-8;
   double rekls_weight_decay = 0.01;
   int rekls_eigenbasis_every = 1;   // steps between eigendecompositions (1: REKLS's every step)
-  // syevd (a factor at a time: any W gives W = 1's bases) or batched (syevBatched, 30% faster on an
-  // H200, but a factor's result depends on its batch, so W ranks drift from W = 1: docs/REKLS.md)
-  std::string rekls_eigensolver = "syevd";
   // run
   uint64_t seed = 0;                // 0: a fresh random seed, logged (record runs are independent)
   int checkpoint_every = 0;         // 0: a checkpoint at the end only
@@ -202,10 +199,6 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "non-negative"},
       {"rekls-eigenbasis-every", &h.rekls_eigenbasis_every, "REKLS steps between eigendecompositions (1: every step)",
        positive(&h.rekls_eigenbasis_every), "positive"},
-      {"rekls-eigensolver", &h.rekls_eigensolver,
-       "REKLS eigendecompositions: syevd (a factor at a time) or batched (syevBatched per factor size: faster, "
-       "but W ranks no longer reproduce one)",
-       one_of(&h.rekls_eigensolver, {"syevd", "batched"}), "syevd or batched"},
       {"seed", &h.seed, "initialisation seed (0: a fresh one per run, logged)", nullptr, ""},
       {"checkpoint-every", &h.checkpoint_every, "steps between checkpoints (0: at the end only)",
        non_negative(&h.checkpoint_every), "non-negative"},
@@ -696,13 +689,12 @@ inline std::string resume_flags(const Hyperparameters& h, int world_size) {
       "adam-beta2", "adam-eps", "embed-lr-mul", "head-lr-mul", "scalar-lr-mul", "muon-lr", "muon-momentum",
       "muon-momentum-warmup", "bf16-head", "grad-comm"};
   // DiLoCo's and REKLS's only where they are on, so that a checkpoint of a run without them reads as
-  // before (where DiLoCo's copies live, or which solver decomposes REKLS's factors, changes no state)
+  // before (where DiLoCo's copies live changes no state)
   const bool diloco = h.diloco_groups > 1, rekls = h.matrix_optimizer == "rekls";
   return "world-size=" + std::to_string(world_size) + "\n" + exact_flag_lines(h, [diloco, rekls](const std::string& name) {
            return std::find(std::begin(names), std::end(names), name) != std::end(names) ||
                   (diloco && name.rfind("diloco-", 0) == 0 && name != "diloco-host-copies") ||
-                  (rekls && (name == "matrix-optimizer" ||
-                             (name.rfind("rekls-", 0) == 0 && name != "rekls-eigensolver")));
+                  (rekls && (name == "matrix-optimizer" || name.rfind("rekls-", 0) == 0));
          });
 }
 
@@ -820,6 +812,13 @@ inline std::vector<Param> parameter_list(const GPTConfig& c) {
   return list;
 }
 
+// What an allocation failure adds to its message: where ranks share one GPU (--ranks-share-gpu),
+// that they do, and what makes each smaller.
+inline std::string& out_of_memory_hint() {
+  static std::string hint;
+  return hint;
+}
+
 // cudaMalloc that names the buffer and the size when the GPU is out of memory.
 template <typename T>
 T* device_alloc(const std::string& name, size_t count) {
@@ -830,7 +829,7 @@ T* device_alloc(const std::string& name, size_t count) {
     cudaMemGetInfo(&free_bytes, &total_bytes);
     throw std::runtime_error("cannot allocate " + name + ": " + std::to_string(count * sizeof(T) >> 20) + " MiB (" +
                              cudaGetErrorString(err) + "; " + std::to_string(free_bytes >> 20) + " of " +
-                             std::to_string(total_bytes >> 20) + " MiB free)");
+                             std::to_string(total_bytes >> 20) + " MiB free)" + out_of_memory_hint());
   }
   return static_cast<T*>(p);
 }
@@ -1655,9 +1654,7 @@ class Optimizers {
                                    float(h_.rekls_shampoo_beta),
                                    float(h_.rekls_eps),
                                    float(h_.rekls_weight_decay),
-                                   h_.rekls_eigenbasis_every,
-                                   h_.rekls_eigensolver == "batched" ? ReklsEigensolver::batched
-                                                                    : ReklsEigensolver::syevd};
+                                   h_.rekls_eigenbasis_every};
       const ReklsStep s{float(h_.rekls_lr * schedule_.lr_factor(step)), adam_steps_, grad_scale};
       rekls_->update(rekls, rows, cols, settings, s, matmul_, stream);
       return;
@@ -1853,16 +1850,37 @@ inline Checkpoint capture_state(const std::vector<StateBuffer>& state, int step)
   return c;
 }
 
+// The checkpoint's blob `name`, which must hold `size` bytes.
+inline const std::vector<uint8_t>& blob_of_size(const Checkpoint& c, const std::string& name, size_t size,
+                                                const std::string& path) {
+  const std::vector<uint8_t>& bytes = c.blob(name, path);
+  if (bytes.size() != size)
+    throw CheckpointError(path + ": '" + name + "' holds " + std::to_string(bytes.size()) + " bytes, this model needs " +
+                          std::to_string(size) + " (a checkpoint of another configuration?)");
+  return bytes;
+}
+
+// Before the GPU: a checkpoint's parameters are this model's (their layout, the sizes of the
+// embeddings' and masters' blobs), so that one of another configuration, or one without its
+// parameters, is refused before the start-up. The optimizers' blobs, sized by the sharding, are
+// checked as they are restored.
+inline void check_parameter_blobs(const Checkpoint& c, const std::string& path, const GPTConfig& config) {
+  const std::vector<Param> list = parameter_list(config);
+  const std::string layout = parameter_layout(list);
+  if (c.blob(kParameterLayoutBlob, path) != std::vector<uint8_t>(layout.begin(), layout.end()))
+    throw CheckpointError(path + ": its parameters are laid out otherwise than this model's (a checkpoint of another "
+                          "configuration?)");
+  size_t embeddings = 0, masters = 0;
+  for (const Param& p : list) (p.is_embedding() ? embeddings : masters) += size_t(p.numel);
+  blob_of_size(c, kEmbeddingsBlob, embeddings * sizeof(bf16), path);
+  blob_of_size(c, kMastersBlob, masters * sizeof(float), path);
+}
+
 // path names the checkpoint in errors ("" for the in-memory warmup snapshot).
 inline void restore_state(const Checkpoint& c, const std::string& path, const std::vector<StateBuffer>& state,
                           const ParameterStore& params) {
-  for (const StateBuffer& b : state) {
-    const std::vector<uint8_t>& bytes = c.blob(b.name, path);
-    if (bytes.size() != b.bytes)
-      throw CheckpointError(path + ": '" + b.name + "' holds " + std::to_string(bytes.size()) + " bytes, this model needs " +
-                            std::to_string(b.bytes) + " (a checkpoint of another configuration?)");
-    CUDA_CHECK(cudaMemcpy(b.data, bytes.data(), b.bytes, cudaMemcpyDefault));
-  }
+  for (const StateBuffer& b : state)
+    CUDA_CHECK(cudaMemcpy(b.data, blob_of_size(c, b.name, b.bytes, path).data(), b.bytes, cudaMemcpyDefault));
   refresh_weight_copies(params, 0);
   CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -2135,7 +2153,8 @@ inline std::string other_world_size(const Hyperparameters& h, const ProcessGroup
   return "";
 }
 
-inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h, const ProcessGroupEnv& g) {
+inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h, const ProcessGroupEnv& g,
+                                                       const GPTConfig& config = GPTConfig()) {
   if (!h.resume) return std::nullopt;
   try {
     ResumePoint r;
@@ -2147,6 +2166,7 @@ inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h,
     if (!r.differences.empty() && !h.resume_other_settings)
       throw CheckpointError(r.path + ": written by a run with other settings: " + r.differences +
                             " (--resume-other-settings resumes anyway)");
+    check_parameter_blobs(r.checkpoint, r.path, config);
     return r;
   } catch (const std::exception& e) {  // filesystem errors too
     throw CheckpointError(std::string("--resume: ") + e.what());
@@ -2533,9 +2553,14 @@ inline void share_one_gpu(const ProcessGroupEnv& g) {
     setenv(name.c_str(), value.c_str(), /*overwrite=*/1);
     settings += " " + name + "=" + value;
   }
-  if (g.rank == 0)
-    std::printf("--ranks-share-gpu: %d ranks on one GPU, NCCL over sockets on the loopback (rank 0:%s)\n",
-                g.world_size, settings.c_str());
+  out_of_memory_hint() = "; " + std::to_string(g.world_size) +
+                         " ranks share this GPU (--ranks-share-gpu), each with a whole rank's buffers: fewer ranks "
+                         "(NPROC) or a shorter --seq-len";
+  size_t free_bytes = 0, total_bytes = 0;
+  if (g.rank == 0 && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess)
+    std::printf("--ranks-share-gpu: %d ranks on one GPU (%zu MiB free: about %zu a rank), NCCL over sockets on the "
+                "loopback (rank 0:%s)\n",
+                g.world_size, free_bytes >> 20, (free_bytes >> 20) / g.world_size, settings.c_str());
 }
 
 int run_training(const Hyperparameters& h) {

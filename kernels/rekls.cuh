@@ -1,7 +1,7 @@
 // REKLS on the GPU for the matrices P [m, n] of one shape: the KL-Shampoo Kronecker factors
-// L [m, m] and R [n, n], their eigenbases Q_L, Q_R and eigenvalues from cuSOLVER in fp32 (syevd one
-// factor at a time, or syevBatched over all of a size at once; between refreshes the eigenvalues
-// are diag(Q^T L Q) in the kept bases), and Adam's moments M, V [m, n] in the rotated basis. The equations, with the lines of NVIDIA's
+// L [m, m] and R [n, n], their eigenbases Q_L, Q_R and eigenvalues from cuSOLVER's syevd in fp32,
+// a factor at a time (between refreshes the eigenvalues are diag(Q^T L Q) in the kept bases), and
+// Adam's moments M, V [m, n] in the rotated basis. The equations, with the lines of NVIDIA's
 // implementation they come from, are in the CPU reference (tests/reference/rekls.h), which the
 // GPU test compares against. Every product is an fp32 cuBLASLt matmul (no TF32): the factors
 // span ~1e8 after the first step's clamped eigenvalues, and the eigenbasis needs their low bits.
@@ -20,17 +20,11 @@
 #include <utility>
 #include <vector>
 
-// How a refresh decomposes the factors: cuSOLVER's syevd one factor at a time (its info read back
-// after each), or syevBatched once per factor size over the matrices of an update (one read back).
-// The same mathematics; which is faster is the benchmark's to say (bench_kernels rekls).
-enum class ReklsEigensolver { syevd, batched };
-
 // Defaults of NVIDIA's REKLS (legacy_soap/rekls.py:41-44) but the learning rate, which it leaves
 // to the caller; eigenbasis_every 1 is REKLS's every-step refresh.
 struct ReklsSettings {
   float beta1 = 0.9f, beta2 = 0.95f, shampoo_beta = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
   int eigenbasis_every = 1;
-  ReklsEigensolver eigensolver = ReklsEigensolver::syevd;
 };
 
 // One step: learning rate (schedule applied), 1-based step count, and 1 / M for the summed gradient.
@@ -168,7 +162,7 @@ class Rekls {
   }
   ~Rekls() {
     for (void* p : {(void*)g_, (void*)x_, (void*)y_, (void*)t_, (void*)vectors_, (void*)values_, (void*)info_,
-                    solver_device_, (void*)batch_.a, (void*)batch_.w, (void*)batch_.info, batch_.device})
+                    solver_device_})
       cudaFree(p);
     cusolverDnDestroyParams(params_);
     cusolverDnDestroy(solver_);
@@ -176,40 +170,28 @@ class Rekls {
   Rekls(const Rekls&) = delete;
   Rekls& operator=(const Rekls&) = delete;
 
-  // One REKLS step of each matrix [m, n] (see tests/reference/rekls.h for the equations), in three
-  // passes so that a refresh can decompose every factor of a size at once: every matrix's factors
-  // (and, on a refresh, its M out of the old basis), the decompositions, every matrix's rest. Each
-  // matrix's arithmetic is that of one matrix alone.
+  // One REKLS step of each matrix [m, n] (see tests/reference/rekls.h for the equations), a matrix
+  // at a time and each factor decomposed alone: a matrix's result does not depend on which others
+  // its rank owns, so W ranks reproduce W = 1. (cuSOLVER's syevBatched over all the factors of a
+  // size was 30% faster on an H200, but its result for a factor depends on the batch, and the GPU
+  // oracle at W = 2 failed with it: docs/REKLS.md.)
   void update(const std::vector<ReklsMatrix>& matrices, int m, int n, const ReklsSettings& cfg, const ReklsStep& step,
               Matmul& matmul, cudaStream_t stream) {
     matmul_ = &matmul;
     stream_ = stream;
     const bool refresh = (step.t - 1) % cfg.eigenbasis_every == 0;  // soap.py:440-458
-    std::vector<Factor> left, right;
     for (const ReklsMatrix& x : matrices) {
       const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
       update_factors(x, m, n, cfg, step);
-      if (!refresh) {
+      if (refresh) {
+        rotate_moment_out(s, m, n);
+        eigenbasis({s.L, s.QL, s.lam_L}, m);
+        eigenbasis({s.R, s.QR, s.lam_R}, n);
+        rotate_moment_in(s, m, n);
+      } else {
         eigenvalues_in_basis({s.L, s.QL, s.lam_L}, m);
         eigenvalues_in_basis({s.R, s.QR, s.lam_R}, n);
-        continue;
       }
-      rotate_moment_out(s, m, n);
-      left.push_back({s.L, s.QL, s.lam_L});
-      right.push_back({s.R, s.QR, s.lam_R});
-    }
-    if (cfg.eigensolver == ReklsEigensolver::batched) {
-      if (m == n) left.insert(left.end(), right.begin(), right.end());
-      eigenbases_batched(left, m);
-      if (m != n) eigenbases_batched(right, n);
-    } else {
-      for (size_t i = 0; i < left.size(); ++i) {
-        eigenbasis(left[i], m);
-        eigenbasis(right[i], n);
-      }
-    }
-    for (const ReklsMatrix& x : matrices) {
-      if (refresh) rotate_moment_in(ReklsBuffers::at(x.state, m, n), m, n);
       rotated_adam_step(x, m, n, cfg, step);
     }
   }
@@ -230,19 +212,14 @@ class Rekls {
     (*matmul_)(A, ta, B, tb, C, M, N, K, CUDA_R_32F, o, stream_, alpha, beta);
   }
 
-  // g_ = the summed gradient times grad_scale: G (again for each pass: between a matrix's two,
-  // the others' passes use g_)
-  void scaled_gradient(const ReklsMatrix& x, size_t mn, float grad_scale) {
-    rekls_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x.g, g_, mn, grad_scale);
-    CUDA_CHECK_LAUNCH();
-  }
-
   // The factors, with the previous bases (soap.py:372-387): L <- b L + (1 - b) (G Q_R) S_R (G Q_R)^T,
   // R <- b R + (1 - b) (Q_L^T G)^T S_L (Q_L^T G), S = diag(max(lam, eps)^-1) / dim.
+  // g_ = G, the summed gradient times grad_scale, kept until the matrix's Adam step.
   void update_factors(const ReklsMatrix& x, int m, int n, const ReklsSettings& cfg, const ReklsStep& step) {
     const size_t mn = size_t(m) * n;
     const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
-    scaled_gradient(x, mn, step.grad_scale);
+    rekls_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x.g, g_, mn, step.grad_scale);
+    CUDA_CHECK_LAUNCH();
     const double t = double(step.t);
     const float b = float(1 - (1 - double(cfg.shampoo_beta)) / (1 - std::pow(double(cfg.shampoo_beta), t)));
     product(g_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);  // X = G Q_R
@@ -275,11 +252,10 @@ class Rekls {
   }
 
   // Adam in the rotated basis and the update rotated back: G' = Q_L^T G Q_R, U = Adam(G'),
-  // p <- p - lr wd p - lr Q_L U Q_R^T.
+  // p <- p - lr wd p - lr Q_L U Q_R^T (G in g_ from update_factors).
   void rotated_adam_step(const ReklsMatrix& x, int m, int n, const ReklsSettings& cfg, const ReklsStep& step) {
     const size_t mn = size_t(m) * n;
     const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
-    scaled_gradient(x, mn, step.grad_scale);
     product(s.QL, Transpose::T, g_, Transpose::N, t_, m, n, m);
     product(t_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);
     const double t = double(step.t);
@@ -321,65 +297,6 @@ class Rekls {
     CUDA_CHECK_LAUNCH();
   }
 
-  // The same for every factor listed, all [k, k], by one syevBatched call on copies packed one
-  // after another (more calls past the library's limit of k k count <= INT32_MAX elements); the
-  // infos are read back once a call. Its scratch grows to the largest batch asked for.
-  void eigenbases_batched(const std::vector<Factor>& factors, int k) {
-    const int64_t count = int64_t(factors.size());
-    if (count == 0) return;
-    const size_t kk = size_t(k) * k;
-    const int64_t most = std::max<int64_t>(1, std::numeric_limits<int32_t>::max() / int64_t(kk));
-    if (count > most) {
-      for (int64_t first = 0; first < count; first += most)
-        eigenbases_batched({factors.begin() + first, factors.begin() + std::min(count, first + most)}, k);
-      return;
-    }
-    reserve_batch(k, count);
-    for (int64_t i = 0; i < count; ++i)
-      CUDA_CHECK(cudaMemcpyAsync(batch_.a + i * kk, factors[i].factor, kk * sizeof(float), cudaMemcpyDeviceToDevice,
-                                 stream_));
-    CUSOLVER_CHECK(cusolverDnSetStream(solver_, stream_));
-    CUSOLVER_CHECK(cusolverDnXsyevBatched(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, k,
-                                          CUDA_R_32F, batch_.a, k, CUDA_R_32F, batch_.w, CUDA_R_32F, batch_.device,
-                                          batch_.device_bytes, batch_.host.data(), batch_.host.size(), batch_.info,
-                                          count));
-    std::vector<int> infos(count);
-    CUDA_CHECK(cudaMemcpyAsync(infos.data(), batch_.info, count * sizeof(int), cudaMemcpyDeviceToHost, stream_));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    for (int info : infos) check_info(info, "cusolverDnXsyevBatched", k);
-    for (int64_t i = 0; i < count; ++i) {
-      rekls_descending_basis_kernel<<<elementwise_grid(kk), 256, 0, stream_>>>(batch_.a + i * kk, batch_.w + i * k,
-                                                                              factors[i].Q, factors[i].lam, k);
-      CUDA_CHECK_LAUNCH();
-    }
-  }
-
-  // Room for `count` factors [k, k], their eigenvalues, infos and syevBatched's workspaces.
-  void reserve_batch(int k, int64_t count) {
-    const size_t elems = size_t(count) * k * k, values = size_t(count) * k;
-    if (elems > batch_.elems || values > batch_.values || count > batch_.count) {
-      CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old scratch may still be read
-      for (void* p : {(void*)batch_.a, (void*)batch_.w, (void*)batch_.info}) cudaFree(p);
-      batch_.elems = std::max(batch_.elems, elems);
-      batch_.values = std::max(batch_.values, values);
-      batch_.count = std::max(batch_.count, count);
-      CUDA_CHECK(cudaMalloc(&batch_.a, batch_.elems * sizeof(float)));
-      CUDA_CHECK(cudaMalloc(&batch_.w, batch_.values * sizeof(float)));
-      CUDA_CHECK(cudaMalloc(&batch_.info, batch_.count * sizeof(int)));
-    }
-    size_t device = 0, host = 0;
-    CUSOLVER_CHECK(cusolverDnXsyevBatched_bufferSize(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, k,
-                                                     CUDA_R_32F, batch_.a, k, CUDA_R_32F, batch_.w, CUDA_R_32F, &device,
-                                                     &host, count));
-    if (device > batch_.device_bytes) {
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
-      cudaFree(batch_.device);
-      batch_.device_bytes = device;
-      CUDA_CHECK(cudaMalloc(&batch_.device, device));
-    }
-    if (host > batch_.host.size()) batch_.host.resize(host);
-  }
-
   cusolverDnHandle_t solver_ = nullptr;
   cusolverDnParams_t params_ = nullptr;
   Matmul* matmul_ = nullptr;  // those of the update in progress
@@ -390,13 +307,4 @@ class Rekls {
   void* solver_device_ = nullptr;
   size_t solver_device_bytes_ = 0, solver_host_bytes_ = 0;
   std::vector<char> solver_host_;
-  struct {  // syevBatched's: A [count][k, k], W [count][k], infos, workspaces
-    float *a = nullptr, *w = nullptr;
-    int* info = nullptr;
-    size_t elems = 0, values = 0;
-    int64_t count = 0;
-    void* device = nullptr;
-    size_t device_bytes = 0;
-    std::vector<char> host;
-  } batch_;
 };

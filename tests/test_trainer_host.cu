@@ -123,6 +123,26 @@ TEST_CASE("the fast paths' flags select their references; the self-check's modes
   }
 }
 
+TEST_CASE("--ranks-share-gpu: NCCL's host id and sockets set before NCCL starts; an allocation failure says why") {
+  ProcessGroupEnv g;
+  g.rank = 1;
+  g.world_size = g.local_world_size = 2;
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) == cudaSuccess && gpus > 1) {  // a machine where each rank has its own
+    CHECK_THROWS_WITH(share_one_gpu(g), "--ranks-share-gpu: this process sees", "leave the flag out");
+    return;
+  }
+  share_one_gpu(g);
+  CHECK(std::string(std::getenv("NCCL_HOSTID")).find("-rank1") != std::string::npos);
+  CHECK(std::string(std::getenv("NCCL_SOCKET_IFNAME")) == "lo");
+  CHECK(std::string(std::getenv("NCCL_IB_DISABLE")) == "1");
+  CHECK_THROWS_WITH(device_alloc<float>("a test buffer", size_t(1) << 50), "cannot allocate a test buffer",
+                    "; 2 ranks share this GPU (--ranks-share-gpu), each with a whole rank's buffers");
+  out_of_memory_hint().clear();
+  for (const char* name : {"NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_MNNVL_ENABLE"})
+    unsetenv(name);
+}
+
 TEST_CASE("a shard path where a flag should be: the shell expanded a glob, so quote it") {
   // --train-files data/sample/*.bin, unquoted: the flag takes the first file, the next is left over.
   CHECK_THROWS_WITH(parse_only({"--val-files", "data/sample/sample_train_000001.bin", "README.md"}),
@@ -256,25 +276,46 @@ TEST_CASE("--resume reads and verifies this rank's newest checkpoint (before the
   second_of_two.rank = 1, second_of_two.world_size = 2;
   const std::string none = "--resume: no checkpoint in " + h.checkpoint_dir;
   CHECK_THROWS_WITH(checkpoint_to_resume(h, alone), none.c_str());
+  // A checkpoint of a small model: its parameters' layout and blobs, the run's flags.
+  GPTConfig tiny;
+  tiny.model_dim = 128, tiny.num_heads = 1, tiny.vocab_size = 128;
+  size_t embeddings = 0, masters = 0;
+  for (const Param& p : parameter_list(tiny)) (p.is_embedding() ? embeddings : masters) += size_t(p.numel);
   Checkpoint c;
   c.step = 7;
-  const std::string flags = resume_flags(h, 1);
-  c.blobs = {{"params", {1, 2, 3}}, {kRunFlagsBlob, std::vector<uint8_t>(flags.begin(), flags.end())}};
+  const std::string flags = resume_flags(h, 1), layout = parameter_layout(parameter_list(tiny));
+  c.blobs = {{kEmbeddingsBlob, std::vector<uint8_t>(embeddings * sizeof(bf16), 1)},
+             {kMastersBlob, std::vector<uint8_t>(masters * sizeof(float), 2)},
+             {kRunFlagsBlob, std::vector<uint8_t>(flags.begin(), flags.end())},
+             {kParameterLayoutBlob, std::vector<uint8_t>(layout.begin(), layout.end())}};
   write_checkpoint(h.checkpoint_dir, c);
-  std::optional<ResumePoint> point = checkpoint_to_resume(h, alone);
+  std::optional<ResumePoint> point = checkpoint_to_resume(h, alone, tiny);
   CHECK(point && point->checkpoint.blobs == c.blobs && point->differences.empty() &&
         point->path == checkpoint_path(h.checkpoint_dir, 7));
   const std::string rank1 = none + "/rank1";  // W > 1: each rank's own folder
-  CHECK_THROWS_WITH(checkpoint_to_resume(h, second_of_two), rank1.c_str());
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, second_of_two, tiny), rank1.c_str());
+  // Another model's checkpoint (the record's here), a short blob, a missing one: refused, named.
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone), "step_000007.ckpt: its parameters are laid out otherwise than this model's");
+  Checkpoint damaged = c;
+  damaged.blobs[1].second.pop_back();
+  write_checkpoint(h.checkpoint_dir, damaged);
+  const std::string short_masters = "'masters' holds " + std::to_string(masters * sizeof(float) - 1) +
+                                    " bytes, this model needs " + std::to_string(masters * sizeof(float));
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone, tiny), "--resume: ", short_masters.c_str());
+  damaged.blobs.erase(damaged.blobs.begin());
+  write_checkpoint(h.checkpoint_dir, damaged);
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone, tiny), "step_000007.ckpt: no 'embeddings' in the checkpoint");
+  write_checkpoint(h.checkpoint_dir, c);
   h.seq_len = 16384;
-  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone), "written by a run with other settings: --seq-len was 49152, is 16384",
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone, tiny),
+                    "written by a run with other settings: --seq-len was 49152, is 16384",
                     "--resume-other-settings resumes anyway");
   h.resume_other_settings = true;
-  CHECK(checkpoint_to_resume(h, alone)->differences == "--seq-len was 49152, is 16384");
+  CHECK(checkpoint_to_resume(h, alone, tiny)->differences == "--seq-len was 49152, is 16384");
   h.num_iterations = 5;
-  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone), "step_000007.ckpt: step 7 is past --num-iterations 5");
+  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone, tiny), "step_000007.ckpt: step 7 is past --num-iterations 5");
   h.resume = false;
-  CHECK(!checkpoint_to_resume(h, alone));
+  CHECK(!checkpoint_to_resume(h, alone, tiny));
 }
 
 TEST_CASE("a resumed run must have the checkpoint's training settings; each difference is named") {

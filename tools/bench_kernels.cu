@@ -265,32 +265,6 @@ void bench_rekls(Matmul& matmul, const Peaks& peaks) {
   }
   std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 hidden matrices, refreshed", model_refreshed, "sum of rows", "");
   std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 hidden matrices, kept", model_kept, "sum of rows", "");
-  // The refresh with --rekls-eigensolver batched: each of the trainer's groups at W = 1 in one
-  // update (qkv's 33 [768, 768]: one syevBatched of 66 factors; attn proj's 11; mlp fc's 12
-  // [3072, 768] and mlp proj's 12 [768, 3072]: one call per factor size), the 68 summed.
-  double model_batched = 0;
-  const int repeats = g_repeats;
-  g_repeats = std::min(g_repeats, 5);  // a group's refresh may take seconds
-  ReklsSettings batched;
-  batched.eigensolver = ReklsEigensolver::batched;
-  struct Group {
-    int count, m, n;
-  };
-  for (const Group& shape : {Group{33, D, D}, Group{11, D, D}, Group{12, F, D}, Group{12, D, F}}) try {
-    const ReklsBenchGroup group(shape.count, shape.m, shape.n, 20);
-    rekls.update(group.matrices, shape.m, shape.n, batched, {1e-3f, 1, 1.0f}, matmul, 0);
-    char name[96];
-    std::snprintf(name, sizeof name, "rekls %d x [%d, %d], syevBatched", shape.count, shape.m, shape.n);
-    const float ms = median_ms([&] { rekls.update(group.matrices, shape.m, shape.n, batched, {1e-3f, 2, 1.0f}, matmul, 0); });
-    std::printf("| %-38s | %8.3f | %-15s | %6s |\n", name, ms, "bases refreshed", "");
-    model_batched += ms;
-  } catch (const std::runtime_error& e) {  // a solver status (not a sticky CUDA error): the rows after still run
-    std::printf("| rekls [%d, %d] with syevBatched failed: %s |  |  |  |\n", shape.m, shape.n, e.what());
-    model_batched = NAN;
-  }
-  g_repeats = repeats;
-  std::printf("| %-38s | %8.3f | %-15s | %6s |\n", "rekls, 68 matrices, refreshed, batched", model_batched,
-              "sum of groups", "");
 }
 
 // Muon's update of a whole shape group on one rank (W = 1 owns all of it): momentum, the batched

@@ -39,7 +39,9 @@ struct ThreadPosition {
   int linear_index() const { return int(thread.x + block_dim.x * (thread.y + block_dim.y * thread.z)); }
 };
 // The running CUDA thread's position (null between kernels), read inline: every threadIdx is one.
-extern thread_local const ThreadPosition* running_position;
+// __thread, not thread_local: statically initialised, so reading it (every threadIdx) calls no
+// thread_local wrapper and initialiser check.
+extern __thread const ThreadPosition* running_position;
 [[noreturn]] void position_read_outside_a_kernel();
 inline const ThreadPosition& position() {
   if (!running_position) position_read_outside_a_kernel();
@@ -49,14 +51,22 @@ inline const ThreadPosition& position() {
 void sync_threads();
 // Every lane of the running thread's warp passes `in_bytes` at `in`; all of them meet, the last to
 // arrive calls combine(inputs [32][in_bytes], outputs [32][out_bytes]) once for the warp, and each
-// lane gets its output row in `out` (without `combine`: every lane's input, [32][in_bytes]).
+// lane gets its output row in `out` (without `combine`: every lane's input, [32][in_bytes], or
+// with `pick_lane` only that lane's, [in_bytes]: a shuffle copies one value, not 32).
 // `what` names the operation: lanes that meet in different operations are a bug, reported as
 // such. Rows are at most 32 bytes.
 using WarpCombine = void (*)(const void* inputs, void* outputs);
 void warp_collective(const char* what, const void* in, size_t in_bytes, void* out, size_t out_bytes,
-                     WarpCombine combine);
+                     WarpCombine combine, int pick_lane = -1);
 inline void warp_exchange(const char* what, const void* mine, void* all, size_t bytes) {
   warp_collective(what, mine, bytes, all, 0, nullptr);
+}
+// The value lane `src_lane` (0..31) passed, as every lane of the warp meets.
+template <typename T>
+T warp_pick(const char* what, T mine, int src_lane) {
+  T picked;
+  warp_collective(what, &mine, sizeof(T), &picked, 0, nullptr, src_lane);
+  return picked;
 }
 void* dynamic_shared_memory();
 
@@ -152,16 +162,12 @@ void launch(const LaunchConfig& config, const void* kernel, Call call, Args&&...
 
 template <typename T>
 T shuffle_xor(T v, int lane_mask) {
-  T all[32];
-  warp_exchange("shfl.xor", &v, all, sizeof(T));
-  return all[(position().thread.x % 32) ^ lane_mask];
+  return warp_pick("shfl.xor", v, (position().thread.x % 32) ^ lane_mask);
 }
 
 template <typename T>
 T shuffle(T v, int src_lane) {
-  T all[32];
-  warp_exchange("shfl.idx", &v, all, sizeof(T));
-  return all[src_lane % 32];
+  return warp_pick("shfl.idx", v, src_lane % 32);
 }
 
 }  // namespace emu
@@ -172,10 +178,7 @@ T shuffle(T v, int src_lane) {
 #define gridDim (::emu::position().grid_dim)
 
 inline void __syncthreads() { ::emu::sync_threads(); }
-inline void __syncwarp(unsigned = 0xffffffffu) {
-  int unused = 0, all[32];
-  ::emu::warp_exchange("syncwarp", &unused, all, sizeof unused);
-}
+inline void __syncwarp(unsigned = 0xffffffffu) { ::emu::warp_pick("syncwarp", 0, 0); }
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int lane_mask, int = 32) {
   return ::emu::shuffle_xor(v, lane_mask);

@@ -1,17 +1,16 @@
-// cuSOLVER's dense symmetric eigensolvers (cusolverDnXsyevd and cusolverDnXsyevBatched, the 64-bit
-// API) on the CPU, with the library's conventions: column-major A of which only the `uplo`
-// triangle is read, eigenvalues ascending in W, the eigenvectors overwriting A column by column,
-// the workspace sizes asked for first and held to, *info 0, or positive when the iteration does
-// not converge (a non-finite A). The decomposition is the CPU reference's
-// (tests/reference/eigen.h: Householder, then implicit QL) in the data type's own arithmetic, so
-// that an fp32 solve rounds as the library's does. Other data types or modes are refused as the
-// library refuses them (CUSOLVER_STATUS_INVALID_VALUE / NOT_SUPPORTED).
+// cuSOLVER's dense symmetric eigensolver (cusolverDnXsyevd, the 64-bit API) on the CPU, with the
+// library's conventions: column-major A of which only the `uplo` triangle is read, eigenvalues
+// ascending in W, the eigenvectors overwriting A column by column, the workspace sizes asked for
+// first and held to, *info 0, or positive when the iteration does not converge (a non-finite A).
+// The decomposition is the CPU reference's (tests/reference/eigen.h: Householder, then implicit QL)
+// in the data type's own arithmetic, so that an fp32 solve rounds as the library's does. Other data
+// types or modes are refused as the library refuses them (CUSOLVER_STATUS_INVALID_VALUE /
+// NOT_SUPPORTED).
 #include "emulator/cuda_emulator.h"
 #include "reference/eigen.h"
 
 #include <cusolverDn.h>
 
-#include <climits>
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
@@ -76,38 +75,6 @@ int decompose(cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n, cudaData
   return 0;
 }
 
-// Both solvers' calls: the arguments checked and the workspaces held to, then each of `batch`
-// matrices [n, n] packed one after another (A_i at A + i lda n, W_i at W + i n) decomposed, info[i]
-// its own.
-cusolverStatus_t solve(cusolverDnHandle_t handle, cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
-                       cudaDataType a_type, void* A, int64_t lda, cudaDataType w_type, void* W, cudaDataType compute,
-                       void* device_work, size_t device_bytes, void* host_work, size_t host_bytes, int* info,
-                       int64_t batch) {
-  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
-    return s;
-  size_t need_device = 0, need_host = 0;
-  workspace_bytes(n, a_type, &need_device, &need_host);
-  if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
-    return CUSOLVER_STATUS_INVALID_VALUE;
-  const size_t bytes = type_bytes(a_type);
-  for (int64_t i = 0; i < batch; ++i)
-    info[i] = decompose(jobz, uplo, n, a_type, static_cast<char*>(A) + size_t(i * lda * n) * bytes, lda,
-                        static_cast<char*>(W) + size_t(i * n) * bytes);
-  return CUSOLVER_STATUS_SUCCESS;
-}
-
-cusolverStatus_t buffer_size(cusolverDnHandle_t handle, cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
-                             cudaDataType a_type, int64_t lda, cudaDataType w_type, cudaDataType compute,
-                             size_t* device_bytes, size_t* host_bytes) {
-  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
-    return s;
-  workspace_bytes(n, a_type, device_bytes, host_bytes);
-  return CUSOLVER_STATUS_SUCCESS;
-}
-
-// syevBatched's limit on its packed matrices: n lda batch <= INT32_MAX.
-bool batch_fits(int64_t n, int64_t lda, int64_t batch) { return batch >= 1 && n * lda * batch <= INT32_MAX; }
-
 }  // namespace
 
 cusolverStatus_t cusolverDnCreate(cusolverDnHandle_t* handle) {
@@ -136,32 +103,22 @@ cusolverStatus_t cusolverDnXsyevd_bufferSize(cusolverDnHandle_t handle, cusolver
                                              cublasFillMode_t uplo, int64_t n, cudaDataType a_type, const void*,
                                              int64_t lda, cudaDataType w_type, const void*, cudaDataType compute,
                                              size_t* device_bytes, size_t* host_bytes) {
-  return buffer_size(handle, jobz, uplo, n, a_type, lda, w_type, compute, device_bytes, host_bytes);
+  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
+    return s;
+  workspace_bytes(n, a_type, device_bytes, host_bytes);
+  return CUSOLVER_STATUS_SUCCESS;
 }
 
 cusolverStatus_t cusolverDnXsyevd(cusolverDnHandle_t handle, cusolverDnParams_t, cusolverEigMode_t jobz,
                                   cublasFillMode_t uplo, int64_t n, cudaDataType a_type, void* A, int64_t lda,
                                   cudaDataType w_type, void* W, cudaDataType compute, void* device_work,
                                   size_t device_bytes, void* host_work, size_t host_bytes, int* info) {
-  return solve(handle, jobz, uplo, n, a_type, A, lda, w_type, W, compute, device_work, device_bytes, host_work,
-               host_bytes, info, 1);
-}
-
-cusolverStatus_t cusolverDnXsyevBatched_bufferSize(cusolverDnHandle_t handle, cusolverDnParams_t,
-                                                   cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
-                                                   cudaDataType a_type, const void*, int64_t lda, cudaDataType w_type,
-                                                   const void*, cudaDataType compute, size_t* device_bytes,
-                                                   size_t* host_bytes, int64_t batch) {
-  if (!batch_fits(n, lda, batch)) return CUSOLVER_STATUS_INVALID_VALUE;
-  return buffer_size(handle, jobz, uplo, n, a_type, lda, w_type, compute, device_bytes, host_bytes);
-}
-
-cusolverStatus_t cusolverDnXsyevBatched(cusolverDnHandle_t handle, cusolverDnParams_t, cusolverEigMode_t jobz,
-                                        cublasFillMode_t uplo, int64_t n, cudaDataType a_type, void* A, int64_t lda,
-                                        cudaDataType w_type, void* W, cudaDataType compute, void* device_work,
-                                        size_t device_bytes, void* host_work, size_t host_bytes, int* info,
-                                        int64_t batch) {
-  if (!batch_fits(n, lda, batch)) return CUSOLVER_STATUS_INVALID_VALUE;
-  return solve(handle, jobz, uplo, n, a_type, A, lda, w_type, W, compute, device_work, device_bytes, host_work,
-               host_bytes, info, batch);
+  if (cusolverStatus_t s = check(handle, jobz, uplo, n, a_type, lda, w_type, compute); s != CUSOLVER_STATUS_SUCCESS)
+    return s;
+  size_t need_device = 0, need_host = 0;
+  workspace_bytes(n, a_type, &need_device, &need_host);
+  if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
+    return CUSOLVER_STATUS_INVALID_VALUE;
+  *info = decompose(jobz, uplo, n, a_type, A, lda, W);
+  return CUSOLVER_STATUS_SUCCESS;
 }

@@ -257,7 +257,7 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
 
 }  // namespace
 
-thread_local const ThreadPosition* running_position = nullptr;
+__thread const ThreadPosition* running_position = nullptr;
 
 void position_read_outside_a_kernel() { fatal("threadIdx and friends read outside a kernel"); }
 
@@ -373,7 +373,7 @@ void sync_threads() {
 }
 
 void warp_collective(const char* what, const void* in, size_t in_bytes, void* out, size_t out_bytes,
-                     WarpCombine combine) {
+                     WarpCombine combine, int pick_lane) {
   if (in_bytes > kSlotBytes || out_bytes > kSlotBytes) fatal("a warp operation on more than 32 bytes per lane");
   Block& b = host.block;
   const int lane_linear = host.running->position.linear_index();
@@ -397,6 +397,8 @@ void warp_collective(const char* what, const void* in, size_t in_bytes, void* ou
   }
   if (combine)
     std::memcpy(out, w.outputs[parity] + lane * out_bytes, out_bytes);
+  else if (pick_lane >= 0)
+    std::memcpy(out, w.inputs[parity] + pick_lane * in_bytes, in_bytes);
   else
     std::memcpy(out, w.inputs[parity], 32 * in_bytes);
 }

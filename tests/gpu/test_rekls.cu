@@ -47,7 +47,7 @@ struct ReklsErrors {
 // each with its own parameters, gradients, state and reference.
 // grad_std, eps: the gradients' scale and REKLS's eps, 1e-8 both unless a case needs its eigenvalues
 // above the eps floor.
-ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed, ReklsEigensolver solver, int count,
+ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed, int count,
                       double grad_std = kGradStd, float eps = 1e-8f) {
   const size_t mn = size_t(m) * n, elems = ReklsBuffers::elems(m, n);
   const float lr = 0.01f, grad_scale = 0.5f;
@@ -66,7 +66,6 @@ ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t se
   Rekls rekls({{m, n}});
   ReklsSettings settings;
   settings.eigenbasis_every = eigenbasis_every;
-  settings.eigensolver = solver;
   settings.eps = eps;
   ReklsConfig cfg;
   cfg.eigenbasis_every = eigenbasis_every;
@@ -118,12 +117,11 @@ ReklsErrors run_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t se
 // The factors and their eigenvalues are fp32 sums of products (3e-5); the change, V and the
 // moment go through fp32 eigenvectors and Adam's division (1e-3). docs/REKLS.md has what the
 // emulator and the GPUs measured.
-double check_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed,
-                   ReklsEigensolver solver = ReklsEigensolver::syevd, int count = 1) {
+double check_rekls(int m, int n, int steps, int eigenbasis_every, uint64_t seed, int count = 1) {
   std::printf("  rekls [%d, %d], %d steps, eigenbasis every %d", m, n, steps, eigenbasis_every);
-  if (solver == ReklsEigensolver::batched) std::printf(", %d matrices through syevBatched", count);
+  if (count > 1) std::printf(", %d matrices in one update", count);
   std::printf("\n");
-  const ReklsErrors e = run_rekls(m, n, steps, eigenbasis_every, seed, solver, count);
+  const ReklsErrors e = run_rekls(m, n, steps, eigenbasis_every, seed, count);
   const double factor_bound = 3e-5, bound = 1e-3;
   for (auto [what, error, limit] : {std::tuple{"parameter change", e.change, bound}, {"L", e.L, factor_bound},
                                     {"R", e.R, factor_bound}, {"lam_L", e.lam_L, factor_bound},
@@ -146,14 +144,9 @@ TEST_CASE("rekls step: KL factors, syevd eigenbases, Adam in the rotated basis; 
   if (at_record_shapes("rekls at 768 x 768")) check_rekls(768, 768, 2, 1, 5);
 }
 
-TEST_CASE("rekls with syevBatched: the matrices of an update refreshed together, each as the reference") {
-  const auto batched = ReklsEigensolver::batched;
-  check_rekls(48, 48, 4, 1, 1, batched, 3);  // square: L and R in one batch of 6
-  check_rekls(40, 24, 1, 1, 2, batched, 2);  // tall: a batch per factor size
-  check_rekls(16, 56, 1, 1, 3, batched, 2);  // wide
-  check_rekls(32, 32, 7, 2, 4, batched, 2);  // the even steps keep the bases (no solver)
-  check_rekls(32, 32, 7, 3, 7, batched, 2);
-  if (at_record_shapes("rekls with syevBatched at 768 x 768")) check_rekls(768, 768, 2, 1, 5, batched, 2);
+TEST_CASE("rekls: several matrices in one update, each as the reference (the scratch shared between them)") {
+  check_rekls(48, 48, 4, 1, 1, 3);
+  check_rekls(32, 32, 7, 2, 4, 2);  // the even steps keep the bases (no solver)
 }
 
 TEST_CASE("rekls: the update rotated back without the transpose of Q_R fails by 10x the rounding or more") {
@@ -161,7 +154,7 @@ TEST_CASE("rekls: the update rotated back without the transpose of Q_R fails by 
   double error = 0;
   {
     ScopedFault injected(Fault::rekls_rotation_untransposed);
-    error = run_rekls(24, 24, 2, 1, 6, ReklsEigensolver::syevd, 1).change;
+    error = run_rekls(24, 24, 2, 1, 6, 1).change;
   }
   std::printf("  rekls_rotation_untransposed: change rel. error %.2e, %.0fx the rounding %.2e\n", error, error / rounding,
               rounding);
@@ -174,11 +167,11 @@ TEST_CASE("rekls: the update rotated back without the transpose of Q_R fails by 
 // is lost in them, stale eigenvalues or not; gradients of 1e-2 and eps 1e-3 keep that term a few
 // percent of the factors (which are fp32 sums of products at any scale).
 TEST_CASE("rekls: the last refresh's eigenvalues kept between refreshes fail by 10x the rounding or more") {
-  const ReklsErrors rounding = run_rekls(32, 32, 4, 2, 8, ReklsEigensolver::syevd, 1, 1e-2, 1e-3f);
+  const ReklsErrors rounding = run_rekls(32, 32, 4, 2, 8, 1, 1e-2, 1e-3f);
   ReklsErrors stale;
   {
     ScopedFault injected(Fault::rekls_stale_eigenvalues);
-    stale = run_rekls(32, 32, 4, 2, 8, ReklsEigensolver::syevd, 1, 1e-2, 1e-3f);
+    stale = run_rekls(32, 32, 4, 2, 8, 1, 1e-2, 1e-3f);
   }
   const double worst = std::max(rounding.L, rounding.R), error = std::max(stale.L, stale.R);
   std::printf("  rekls_stale_eigenvalues: factors' rel. error %.2e, %.0fx the rounding %.2e\n", error, error / worst, worst);
