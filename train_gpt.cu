@@ -2570,7 +2570,8 @@ int run_training(const Hyperparameters& h) {
   }
   check_data(h);
   const ProcessGroupEnv g = launcher_environment();
-  if (h.ranks_share_gpu && !ranks_share_gpu_problem(g).empty()) throw FlagError(ranks_share_gpu_problem(g));
+  if (h.ranks_share_gpu)
+    if (const std::string problem = ranks_share_gpu_problem(g); !problem.empty()) throw FlagError(problem);
   const std::string diloco_problem = diloco_settings_problem(diloco_settings(h), g.world_size, GPTConfig().num_layers);
   if (!diloco_problem.empty()) throw FlagError(diloco_problem);
   check_output_folders(h, g);
