@@ -8,25 +8,25 @@
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/cross_entropy.cuh"
-#include "kernels/cuda_check.cuh"
 #include "kernels/device_comm.cuh"
 #include "kernels/diloco.cuh"
 #include "kernels/embedding.cuh"
 #include "kernels/flash_attention.cuh"
 #include "kernels/fp8_head.cuh"
+#include "kernels/host/cuda_check.cuh"
+#include "kernels/host/rendezvous.h"
+#include "kernels/host/schedules.h"
+#include "kernels/host/sharding.h"
+#include "kernels/host/timeline.cuh"
+#include "kernels/host/watchdog.h"
 #include "kernels/matmul.cuh"
 #include "kernels/muon.cuh"
-#include "kernels/rekls.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
-#include "kernels/rendezvous.h"
+#include "kernels/rekls.cuh"
 #include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
-#include "kernels/schedules.h"
 #include "kernels/self_check.cuh"
-#include "kernels/sharding.h"
-#include "kernels/timeline.cuh"
-#include "kernels/watchdog.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -468,18 +468,27 @@ inline std::string new_run_id() {
   return id;
 }
 
-// The source this binary was built from: embedded by the build (CMake writes trainer_source.inc
-// from train_gpt.cu and every header of kernels/ and data/); a frozen single-file record built by
-// hand with nvcc has no such file and logs its own source file, read at start.
-#if __has_include("trainer_source.inc")
+// The source this binary was built from, for its log: embedded by the build (CMake writes
+// trainer_source.inc from train_gpt.cu and every header of kernels/ and data/), or, in a frozen
+// single-file record, the file's own text, which tools/records.py embeds at its end.
+#if defined(SPEEDRUN_FROZEN_RECORD)
+extern const char kTrainerSource[];  // defined at the end of the frozen file
+#elif __has_include("trainer_source.inc")
 #include "trainer_source.inc"  // static const char kTrainerSource[]
-inline std::string trainer_source() { return kTrainerSource; }
 #else
-inline std::string trainer_source() {
-  std::ifstream in(__FILE__, std::ios::binary);
-  if (!in) return std::string("(source not embedded and ") + __FILE__ + " not readable)\n";
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+static const char kTrainerSource[] = "(source not embedded: built without CMake and not frozen)\n";
+#endif
+inline std::string trainer_source() { return kTrainerSource; }
+
+// Where this binary comes from, for its log: the commit and whether the tracked files differed from
+// it (CMake writes build_commit.inc at every build), or the frozen record's name.
+#if defined(SPEEDRUN_FROZEN_RECORD)
+static const std::string kBuildOrigin = std::string("frozen record ") + SPEEDRUN_FROZEN_RECORD;
+#elif __has_include("build_commit.inc")
+#include "build_commit.inc"  // static const char kBuildCommit[]: "commit <hash>[, tree dirty]" or none
+static const std::string kBuildOrigin = kBuildCommit;
+#else
+static const std::string kBuildOrigin = "not built by CMake nor frozen";
 #endif
 
 inline std::string command_output(const char* command) {
@@ -501,6 +510,10 @@ inline std::string environment_report() {
   std::ostringstream out;
   out << "Running CUDA driver " << driver / 1000 << "." << driver % 1000 / 10 << ", runtime " << runtime / 1000
       << "." << runtime % 1000 / 10 << ", cuBLASLt " << cublasLtGetVersion() << ", NCCL " << nccl << "\n";
+  int device = 0;
+  cudaDeviceProp properties{};
+  if (cudaGetDevice(&device) == cudaSuccess && cudaGetDeviceProperties(&properties, device) == cudaSuccess)
+    out << "gpu: " << properties.name << "\n";
   out << command_output("nvidia-smi 2>&1");
   return out.str();
 }
@@ -1971,8 +1984,9 @@ inline BatchPlan data_plan(const std::string& flag, const std::string& pattern, 
 
 // Before any GPU work, from every shard of both globs: headers, sizes and every token id; enough
 // training windows for the run and its warmup, and a first validation shard that holds the
-// validation tokens.
-inline void check_data(const Hyperparameters& h) {
+// validation tokens. Returns every shard read, by flag, for the run's log.
+using DataShards = std::vector<std::pair<std::string, ShardSummary>>;
+inline DataShards check_data(const Hyperparameters& h) {
   const BatchPlan train = data_plan("train-files", h.train_files, h.seq_len, h.micro_batches);
   const int64_t windows = train.windows_available();
   const bool warmup_longer = h.warmup_steps > h.num_iterations;
@@ -1993,8 +2007,48 @@ inline void check_data(const Hyperparameters& h) {
                         "': the validation loss would measure training data");
     }
   val.windows_available();
-  train.scan_all_tokens();
-  val.scan_all_tokens();
+  DataShards shards;
+  for (const auto& [flag, plan] : {std::pair{"train-files", &train}, std::pair{"val-files", &val}})
+    for (ShardSummary& s : plan->scan_all_tokens()) shards.emplace_back(flag, std::move(s));
+  return shards;
+}
+
+// The command line as a shell would take it back: an argument with anything but [A-Za-z0-9_./=:,+-]
+// in single quotes.
+inline std::string command_line(int argc, char** argv) {
+  std::string line;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    const bool plain = !a.empty() && a.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                                         "0123456789_./=:,+-") == std::string::npos;
+    if (!plain) {
+      std::string quoted = "'";
+      for (char c : a) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      a = quoted + "'";
+    }
+    line += (i ? " " : "") + a;
+  }
+  return line;
+}
+
+// What made the run, in its log's head: the command, where the binary comes from, the ranks, every
+// flag's value (defaults included, exact) and every shard read with its size and token hash.
+// tools/records.py reads these lines back and refuses to pool runs whose settings or data differ.
+inline std::string run_settings_report(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& command,
+                                       const DataShards& shards) {
+  std::ostringstream out;
+  out << "command: " << command << "\n"
+      << "build: " << kBuildOrigin << "\n"
+      << "ranks: world size " << g.world_size << ", ranks per node " << g.local_world_size << ", launcher "
+      << g.launcher << "\n";
+  std::istringstream flags(exact_flag_lines(h, [](const std::string&) { return true; }));
+  for (std::string line; std::getline(flags, line);) out << "setting: " << line << "\n";
+  for (const auto& [flag, s] : shards) {
+    char hash[17];
+    std::snprintf(hash, sizeof hash, "%016" PRIx64, s.token_hash);
+    out << "shard: " << flag << " " << s.path << " " << s.bytes << " bytes, token hash " << hash << "\n";
+  }
+  return out.str();
 }
 
 // A folder the run will write into: created, and a file written and removed, now.
@@ -2288,7 +2342,8 @@ inline int self_check_alone(Hyperparameters h) {
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
-  TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g)
+  // settings: run_settings_report's lines for the log (empty in tests)
+  TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings = "")
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
         groups_(*comm_, h.diloco_groups), model_(config_, memory_),
         optimizers_(h, model_.params, group(), memory_),
@@ -2322,7 +2377,7 @@ class TrainingRun {
     optimizers_.set_batched_muon(paths_.batched_muon);
     if (comm_->rank() == 0) {
       log_ = std::make_unique<RunLog>(h.log_dir, new_run_id());
-      log_->header(trainer_source(), environment_report() + self_check.report());
+      log_->header(trainer_source(), environment_report() + settings + self_check.report());
       log_parameters(*log_, h, model_.params.list);
       std::printf("run log: %s (%d rank%s%s, %s)\n", log_->path().c_str(), comm_->world_size(),
                   comm_->world_size() > 1 ? "s" : "",
@@ -2539,7 +2594,7 @@ inline ProcessGroupEnv launcher_environment() {
 
 // --ranks-share-gpu, before NCCL starts: refused where this process sees several GPUs (each rank
 // can have its own, and the flag would only slow NCCL down); else every rank on GPU 0, each with an
-// NCCL host id of its own (kernels/rendezvous.h). A GPU error is left to select_gpu to name.
+// NCCL host id of its own (kernels/host/rendezvous.h). A GPU error is left to select_gpu to name.
 inline void share_one_gpu(const ProcessGroupEnv& g) {
   int count = 0;
   if (cudaGetDeviceCount(&count) == cudaSuccess && count > 1)
@@ -2563,12 +2618,13 @@ inline void share_one_gpu(const ProcessGroupEnv& g) {
                 g.world_size, free_bytes >> 20, (free_bytes >> 20) / g.world_size, settings.c_str());
 }
 
-int run_training(const Hyperparameters& h) {
+// command: the command line, for the log
+int run_training(const Hyperparameters& h, const std::string& command) {
   if (h.self_check_only) {  // no data, no ranks: this GPU's fast paths alone
     require_hopper_gpu(select_gpu(launcher_environment().local_rank));
     return self_check_alone(h);
   }
-  check_data(h);
+  const DataShards shards = check_data(h);
   const ProcessGroupEnv g = launcher_environment();
   if (h.ranks_share_gpu)
     if (const std::string problem = ranks_share_gpu_problem(g); !problem.empty()) throw FlagError(problem);
@@ -2578,7 +2634,7 @@ int run_training(const Hyperparameters& h) {
   std::optional<ResumePoint> resume_point = checkpoint_to_resume(h, g);
   if (h.ranks_share_gpu) share_one_gpu(g);
   require_hopper_gpu(select_gpu(g.local_rank));
-  return TrainingRun(h, g).run(std::move(resume_point));
+  return TrainingRun(h, g, run_settings_report(h, g, command, shards)).run(std::move(resume_point));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -2594,7 +2650,7 @@ int main(int argc, char** argv) {
       std::printf("%s", usage(argv[0]).c_str());
       return 0;
     }
-    return run_training(h);
+    return run_training(h, command_line(argc, argv));
   } catch (const FlagError& e) {
     return fail(e, kExitBadFlags);
   } catch (const DataError& e) {

@@ -110,18 +110,60 @@ inline std::vector<uint16_t> read_shard(const std::string& path, int vocab_size)
   return tokens;
 }
 
-// Checks a shard as read_shard does without keeping its tokens: read in chunks of 4 MiB, which stay
-// in the CPU's cache for the max. At the speed of memory (docs/PERF.md: 0.025 s for a FineWeb
-// shard of 100M tokens in the page cache), so that every shard can be checked at start.
-inline void scan_shard(const std::string& path, int vocab_size) {
+// A 64-bit hash of a shard's tokens, fed in chunks: four independent lanes of 64-bit words (so the
+// multiplies overlap) keep it near the speed of memory; it names the data in a run's log, so that
+// two runs are known to have read the same tokens. It catches damage and mix-ups, not forgery.
+class TokenHash {
+ public:
+  void add(const uint16_t* tokens, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      for (int lane = 0; lane < 4; ++lane) {
+        uint64_t word;
+        std::memcpy(&word, tokens + i + 4 * lane, 8);
+        mix(lanes_[lane], word);
+      }
+    for (; i < n; ++i) mix(lanes_[0], tokens[i] | uint64_t(1) << 32);  // the tail, told apart from a word
+    count_ += n;
+  }
+  uint64_t value() const {
+    uint64_t h = uint64_t(count_);
+    for (uint64_t lane : lanes_) mix(h, lane);
+    return h;
+  }
+
+ private:
+  static void mix(uint64_t& h, uint64_t word) {
+    h = (h ^ word) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+  }
+  uint64_t lanes_[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull, 0x082EFA98EC4E6C89ull};
+  int64_t count_ = 0;
+};
+
+// What a run read from one shard: its path, size in bytes and the hash of its tokens.
+struct ShardSummary {
+  std::string path;
+  int64_t bytes = 0;
+  uint64_t token_hash = 0;
+};
+
+// Checks a shard as read_shard does without keeping its tokens, and hashes them: read in chunks of
+// 4 MiB, which stay in the CPU's cache for the max and the hash. Near the speed of memory
+// (docs/PERF.md: 0.025 s for a FineWeb shard of 100M tokens in the page cache before the hash),
+// so that every shard can be checked at start.
+inline ShardSummary scan_shard(const std::string& path, int vocab_size) {
   auto file = open_shard(path);
   const int64_t num_tokens = checked_token_count(file.get(), path);
   std::vector<uint16_t> chunk(int64_t(1) << 21);
+  TokenHash hash;
   for (int64_t first = 0; first < num_tokens; first += int64_t(chunk.size())) {
     const int64_t n = std::min(int64_t(chunk.size()), num_tokens - first);
     read_tokens(file.get(), path, chunk.data(), n);
     check_token_ids(path, chunk.data(), n, first, vocab_size);
+    hash.add(chunk.data(), n);
   }
+  return {path, kShardHeaderBytes + 2 * num_tokens, hash.value()};
 }
 
 // One optimizer step's global window: M micro-sequences of T tokens, plus the last target.
@@ -168,8 +210,10 @@ class BatchPlan {
 
   // Every token of every file read and checked (header, size, ids below the vocabulary), none
   // kept: with windows_available, whatever the run would meet in its files is found before it starts.
-  void scan_all_tokens() const {
-    for (const std::string& path : files_) scan_shard(path, vocab_size_);
+  std::vector<ShardSummary> scan_all_tokens() const {
+    std::vector<ShardSummary> shards;
+    for (const std::string& path : files_) shards.push_back(scan_shard(path, vocab_size_));
+    return shards;
   }
 
   int64_t micro_len() const { return micro_len_; }

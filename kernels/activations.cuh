@@ -1,6 +1,6 @@
 // ReLU^2 of the MLP (SPEC 1.2.6): a = relu(u)^2 and du = da * 2 relu(u), bf16, 16-byte vectors.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <stdexcept>

@@ -6,7 +6,7 @@
 // version replaces the kernels, not the interface. The backward is deterministic: dq per query,
 // dk and dv per key (over the inverse block lists), no atomics.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <algorithm>

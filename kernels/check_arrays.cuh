@@ -2,7 +2,7 @@
 // (kernels/self_check.cuh) and the GPU tests: a device buffer, random inputs, bf16 conversions,
 // and the relative error ||out - ref|| / ||ref||.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <algorithm>

@@ -6,8 +6,8 @@
 // of SPEC 4.3 sit on top: fp32 reduce-scatter, bf16 reduce-scatter, bf16 all-to-all with the
 // owner summing in fp32 in rank order.
 #pragma once
-#include "kernels/comm.h"
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/comm.h"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <nccl.h>

@@ -1,7 +1,7 @@
 // Small device helpers shared by the kernel headers: warp/block reductions, 16-byte vectors,
 // the grid of elementwise kernels, fp32 <-> bf16 conversion, asynchronous uploads of host arrays.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

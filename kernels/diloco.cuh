@@ -19,11 +19,11 @@
 // momentum of that slice only, exchanges only it (so the L ranks of a group use L links at once),
 // and all-gathers the mixed slice back to the group's other ranks.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_comm.cuh"
 #include "kernels/device_utils.cuh"
-#include "kernels/faults.h"
-#include "kernels/timeline.cuh"
+#include "kernels/host/faults.h"
+#include "kernels/host/timeline.cuh"
 
 #include <algorithm>
 #include <cmath>

@@ -4,7 +4,7 @@
 // several, so no float atomics and bitwise-equal gradients run to run. The order comes from the host, which
 // holds every micro-sequence's tokens anyway (the attention masks are built from them too).
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <cstdint>

@@ -7,7 +7,7 @@
 //   input grad  dx[t, in]   = dy W         matmul(dy, N, W, N, dx, tokens, in, out)
 //   weight grad dW[out, in] = dy^T x       matmul(dy, T, x, N, dW, out, in, tokens), beta 1 accumulates
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 
 #include <array>
 #include <cstdint>

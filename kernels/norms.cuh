@@ -3,7 +3,7 @@
 // F.rms_norm's default, which for bf16 inputs is the eps of the fp32 type it computes in,
 // finfo(float32).eps = 2^-23 (PyTorch since January 2025, eager and the compiled decomposition).
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <stdexcept>

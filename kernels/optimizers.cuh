@@ -2,7 +2,7 @@
 // normalisation (grad_scale = 1/M, SPEC 4.2) fused in; parameter, gradient and states may be fp32
 // or bf16 (the reference keeps the embeddings' states in bf16), the arithmetic is fp32.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <cmath>

@@ -6,9 +6,9 @@
 // GPU test compares against. Every product is an fp32 cuBLASLt matmul (no TF32): the factors
 // span ~1e8 after the first step's clamped eigenvalues, and the eigenbasis needs their low bits.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
-#include "kernels/faults.h"
+#include "kernels/host/faults.h"
 #include "kernels/matmul.cuh"
 
 #include <algorithm>

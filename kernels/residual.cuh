@@ -5,7 +5,7 @@
 // gradients are sums over T x d products: per-block partial sums in a grid fixed by the shape, then
 // one block adds them in order, so they are deterministic.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/matmul.cuh"
 

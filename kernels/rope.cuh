@@ -3,7 +3,7 @@
 // j + 64, which sit in lanes l and l ^ 16. Angles are the reference's fp32 t * freq; the norm and
 // rotation run in fp32 without an intermediate bf16 rounding.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/norms.cuh"
 

@@ -12,7 +12,7 @@
 #pragma once
 #include "kernels/attention.cuh"
 #include "kernels/check_arrays.cuh"
-#include "kernels/faults.h"
+#include "kernels/host/faults.h"
 #include "kernels/flash_attention.cuh"
 #include "kernels/fp8_head.cuh"
 #include "kernels/muon.cuh"
@@ -35,7 +35,7 @@ struct KernelPaths {
 };
 
 // A fast path: its KernelPaths member, its name in the log, the flag that selects its reference,
-// and the test-only fault that gives it a wrong result (kernels/faults.h).
+// and the test-only fault that gives it a wrong result (kernels/host/faults.h).
 struct FastPath {
   bool KernelPaths::*member;
   const char* name;

@@ -2,7 +2,8 @@
 // (fixed rank order), buffers are fully written, reuse across many calls is race-free, a failing
 // rank never hangs the others, and the two comm-layer faults change what they should.
 #include "check.h"
-#include "kernels/comm.h"
+#include "injected_faults.h"
+#include "kernels/host/comm.h"
 
 #include <chrono>
 #include <cmath>

@@ -134,12 +134,26 @@ TEST_CASE("windows available from the headers: every shard checked, none read") 
   CHECK_THROWS_WITH(read_shard(temp_dir(), kTokenizerVocab), "cannot read");  // a directory
 }
 
-TEST_CASE("the start-up scan: every token of every shard of a glob, across its read chunks") {
+TEST_CASE("the start-up scan: every token of every shard of a glob, across its read chunks, hashed") {
   write_shard("scan_0.bin", counting_tokens(1000, 0));
   std::vector<uint16_t> later = counting_tokens((size_t(1) << 21) + 100, 0);  // more than one 4 MiB chunk
   write_shard("scan_1.bin", later);
   BatchPlan plan(temp_dir() + "/scan_*.bin", 8, 4, kTokenizerVocab);
-  plan.scan_all_tokens();
+  const std::vector<ShardSummary> shards = plan.scan_all_tokens();
+  CHECK(shards.size() == 2 && shards[1].path == temp_dir() + "/scan_1.bin");
+  CHECK(shards[1].bytes == kShardHeaderBytes + 2 * int64_t(later.size()));
+  // The hash of the tokens read in chunks is the hash of all of them at once, and one token changes it.
+  TokenHash whole;
+  whole.add(later.data(), int64_t(later.size()));
+  CHECK(shards[1].token_hash == whole.value() && shards[0].token_hash != whole.value());
+  std::vector<uint16_t> one_changed = later;
+  one_changed[(size_t(1) << 21) + 99] ^= 1;  // in the tail, past the last whole group of 16
+  write_shard("scan_1.bin", one_changed);
+  CHECK(scan_shard(temp_dir() + "/scan_1.bin", kTokenizerVocab).token_hash != whole.value());
+  one_changed = later;
+  std::swap(one_changed[0], one_changed[4]);  // two tokens of two lanes swapped
+  write_shard("scan_1.bin", one_changed);
+  CHECK(scan_shard(temp_dir() + "/scan_1.bin", kTokenizerVocab).token_hash != whole.value());
   later[(size_t(1) << 21) + 7] = 50257;  // in the second chunk, of the second shard
   write_shard("scan_1.bin", later);
   CHECK_THROWS_WITH(plan.scan_all_tokens(), "scan_1.bin", "token id 50257 at position 2097159", "vocab size 50257");

@@ -3,6 +3,7 @@
 // global batches. Every parameter on every rank and every optimizer state must agree within 1e-6
 // (relative, per tensor); each injected distributed bug must break that bound.
 #include "check.h"
+#include "injected_faults.h"
 #include "reference/synthetic.h"
 #include "reference/training.h"
 

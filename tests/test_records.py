@@ -47,6 +47,21 @@ peak memory allocated: 30000 MiB reserved: 40000 MiB
 """
 
 
+def settings_log(final_loss, final_ms, source="// ===== train_gpt.cu =====\nint main() {}\n", settings=None,
+                 shards=(("train-files", "corpus/train_000.bin", 2048, "00000000000000aa"),),
+                 gpu="NVIDIA H200", num_iterations=10):
+    """A log of our trainer's layout with its header: command, build, ranks, every setting, the shards."""
+    flags = {"num-iterations": str(num_iterations), "matrix-optimizer": "muon", "seed": "0", "log-dir": "logs"}
+    flags.update(settings or {})
+    header = ["Running CUDA driver 13.0, runtime 13.0, cuBLASLt 130100, NCCL 22803", f"gpu: {gpu}",
+              "command: build/train_gpt --num-iterations 10", "build: commit 0123abcd",
+              "ranks: world size 1, ranks per node 1, launcher none"]
+    header += [f"setting: {name}={value}" for name, value in flags.items()]
+    header += [f"shard: {flag} {path} {size} bytes, token hash {digest}" for flag, path, size, digest in shards]
+    header.append("self-check: 11 checks, 0 failed, 6.0 s")
+    return source + RULE + "\n" + "\n".join(header) + "\n" + RULE + "\n" + step_log(num_iterations, final_loss, final_ms)
+
+
 def step_log(num_iterations, final_loss, final_ms, finished=True):
     """A bare step-line log of a short run."""
     lines = [f"step:0/{num_iterations} val_loss:10.8258 train_time:0ms step_avg:0.03ms"]
@@ -252,6 +267,15 @@ class Commands(TempDir):
         self.assertIn("| 1770 | 3.2782 | 3.2794 | -0.0012 | 177930 | 173789 | +4141 |", out)
         self.assertIn("| 1770 | 3.2785 | 3.2794 | -0.0009 | 178064 | 173789 | +4275 |", out)
 
+    def test_compare_labels_each_run_once(self):
+        ours = self.write("ours.txt", OUR_LOG)
+        rc, out, _ = self.command("compare", ours, LOG_8054, "--label", "mine")
+        self.assertEqual(rc, 0)
+        self.assertIn(f"mine ({ours}) against the record {LOG_8054}:", out)
+        rc, _, err = self.command("compare", ours, LOG_8054, "--label", "a", "b")
+        self.assertEqual(rc, 1)
+        self.assertIn("--label names 2 runs, but 1 are compared: one label each", err)
+
     def test_compare_refuses_logs_without_common_validation(self):
         path = self.write("late.txt", "step:7/7 val_loss:4.0000 train_time:9ms step_avg:1.29ms\n")
         rc, _, err = self.command("compare", path, LOG_8054)
@@ -272,6 +296,88 @@ class Commands(TempDir):
             self.assertEqual(self.command("stats", REFERENCE)[0], 0)
             self.assertEqual(self.command("compare", LOG_8054, LOG_8054)[0], 0)
         self.assertFalse(os.path.exists(png))
+
+
+class Settings(TempDir):
+    def test_the_header_is_read_back(self):
+        run = records.parse_log(self.write("run.txt", settings_log(3.0, 900)))
+        self.assertEqual(run.settings, {"num-iterations": "10", "matrix-optimizer": "muon", "seed": "0", "log-dir": "logs"})
+        self.assertEqual(run.shards, [("train-files", "corpus/train_000.bin", 2048, "00000000000000aa")])
+        self.assertEqual(run.header, {"gpu": "NVIDIA H200", "command": "build/train_gpt --num-iterations 10",
+                                      "build": "commit 0123abcd", "ranks": "world size 1, ranks per node 1, launcher none"})
+        self.assertEqual(run.data(), "train_000.bin")
+        self.assertEqual(records.parse_log(LOG_8054).settings, {})
+
+    def stats(self, *logs, target="2.67"):
+        paths = [self.write(f"{name}.txt", text) for name, text in logs]
+        return self.command("stats", *paths, *(["--target", target] if target else []))
+
+    def test_refuses_to_pool_runs_of_another_flag(self):
+        rc, _, err = self.stats(("a", settings_log(3.0, 900)),
+                                ("b", settings_log(3.1, 900, settings={"matrix-optimizer": "rekls"})))
+        self.assertEqual(rc, 1)
+        self.assertIn("error: runs that differ pool into nothing: --matrix-optimizer: muon in a.txt; rekls in b.txt", err)
+
+    def test_refuses_to_pool_runs_of_other_data(self):
+        other = (("train-files", "corpus/train_000.bin", 2048, "00000000000000bb"),)
+        rc, _, err = self.stats(("a", settings_log(3.0, 900)), ("b", settings_log(3.1, 900, shards=other)))
+        self.assertEqual(rc, 1)
+        self.assertIn("runs that differ pool into nothing: the data read (shard sizes and token hashes): "
+                      "train-files:2048:00000000000000aa in a.txt; train-files:2048:00000000000000bb in b.txt", err)
+
+    def test_pools_runs_that_differ_in_seed_folders_and_paths(self):
+        moved = (("train-files", "/abs/corpus/train_000.bin", 2048, "00000000000000aa"),)
+        rc, out, err = self.stats(("a", settings_log(3.0, 900)),
+                                  ("b", settings_log(3.1, 900, settings={"seed": "7", "log-dir": "elsewhere",
+                                                                         "train-files": "/abs/corpus/train_*.bin"},
+                                                     shards=moved)))
+        self.assertEqual((rc, err), (0, ""))
+        self.assertNotIn("note:", out)
+
+    def test_notes_pooled_gpus_and_logs_without_settings(self):
+        rc, out, _ = self.stats(("a", settings_log(3.0, 900)), ("b", settings_log(3.1, 900, gpu="NVIDIA H100 80GB HBM3")),
+                                ("c", step_log(10, 3.05, 950)))
+        self.assertEqual(rc, 0)
+        self.assertIn("note: c.txt: no settings in the log (an older trainer's, or another code's): whether these runs "
+                      "share their flags and data is not checked\n", out)
+        self.assertIn("note: train times pooled over GPU models: NVIDIA H200 (1 run), NVIDIA H100 80GB HBM3 (1 run), "
+                      "(GPU not recorded) (1 run)\n", out)
+
+    def test_the_default_target_is_fineweb_s_for_fineweb_runs_only(self):
+        rc, _, err = self.stats(("a", settings_log(3.0, 900)), ("b", settings_log(3.1, 900)), target=None)
+        self.assertEqual(rc, 1)
+        self.assertIn("these runs trained on train_000.bin, not FineWeb: FineWeb's target 3.28 says nothing of them; "
+                      "give theirs with --target", err)
+        fineweb = (("train-files", "data/fineweb10B/fineweb_train_000001.bin", 2048, "00000000000000aa"),)
+        rc, out, _ = self.stats(("c", settings_log(3.0, 900, shards=fineweb)),
+                                ("d", settings_log(3.1, 900, shards=fineweb)), target=None)
+        self.assertEqual(rc, 0)
+        self.assertIn("| t (mean < 3.28) |", out)
+        self.assertNotIn("note:", out)
+        rc, out, _ = self.command("stats", REFERENCE)
+        self.assertEqual(rc, 0)
+        self.assertIn("note: target 3.28, FineWeb's, assumed: not every log says what its run trained on", out)
+
+    def test_against_names_what_the_sets_differ_in(self):
+        a = self.write("a.txt", settings_log(3.0, 900))
+        b = self.write("b.txt", settings_log(3.1, 900, settings={"matrix-optimizer": "rekls"}))
+        rc, out, _ = self.command("stats", a, "--against", b, "--target", "3.5")
+        self.assertEqual(rc, 0)
+        self.assertIn("note: A and B differ in --matrix-optimizer: muon in a.txt; rekls in b.txt\n", out)
+
+    def test_a_tiny_p_is_not_printed_as_zero(self):
+        self.assertEqual(records.p_text(3e-7), "< 1e-4")
+        self.assertEqual(records.p_text(0.03456), "0.0346")
+        self.assertEqual(records.p_text(float("nan")), "n/a")
+        logs = [(f"r{i}", settings_log(2.0 + 0.001 * i, 900)) for i in range(5)]
+        rc, out, _ = self.stats(*logs, target="3.0")
+        self.assertEqual(rc, 0)
+        self.assertIn("| < 1e-4 | yes |", out)
+
+    def test_png_must_name_a_png_file(self):
+        with self.assertRaises(SystemExit) as exit_status:
+            self.command("stats", REFERENCE, "--png", "out.txt")
+        self.assertEqual(exit_status.exception.code, 2)
 
 
 class Duplicates(TempDir):
@@ -325,7 +431,8 @@ class Freeze(TempDir):
                            ("kernels/a.cuh", '#pragma once\n#include "data/b.h"\n#include <cstdio>\nint a;\n'),
                            ("data/b.h", "#pragma once\nint b;\n")):
             self.write(os.path.join("tree", name), text)
-        body = records.single_file_trainer(root).split("\n")[3:]
+        frozen = records.single_file_trainer("x", read=records.tree_files(root))
+        body = records.body_of_frozen(frozen).split("\n")
         self.assertEqual(body, ["// ===== kernels/a.cuh (inlined) =====",
                                 "// ===== data/b.h (inlined) =====", "int b;", "// ===== end of data/b.h =====",
                                 "#include <cstdio>", "int a;", "// ===== end of kernels/a.cuh =====",
@@ -342,11 +449,64 @@ class Freeze(TempDir):
         self.assertEqual(records.record_target(folders[0]), 2.67)
         with open(os.path.join(folders[0], "train_gpt.cu")) as f:
             frozen = f.read()
-        self.assertIn(records.BUILD_COMMAND, frozen.split("\n")[2])
+        self.assertEqual(frozen.split("\n")[2], "//   " + records.BUILD_COMMAND)
+        self.assertIn(" -lcusolver ", records.BUILD_COMMAND)  # REKLS's eigensolver: without it the link fails
+        self.assertEqual(frozen.split("\n")[3], '#define SPEEDRUN_FROZEN_RECORD "2025-01-02_twice"')
         self.assertNotRegex(frozen, r'#\s*include\s+"(kernels|data)/')
         self.assertNotRegex(frozen, r"#\s*pragma\s+once")
-        self.assertEqual(frozen.count("// ===== kernels/cuda_check.cuh (inlined) ====="), 1)
-        self.assertIn("#include <cublasLt.h>", frozen)
+        body = records.body_of_frozen(frozen)
+        self.assertEqual(body.count("// ===== kernels/host/cuda_check.cuh (inlined) ====="), 1)
+        self.assertIn("#include <cublasLt.h>", body)
+        # The text above the marker is embedded whole, as the raw string that the run logs.
+        above, embedding = frozen.split(records.EMBED_MARKER + "\n")
+        self.assertEqual(embedding, f'const char kTrainerSource[] = R"speedrun_source({above})speedrun_source";\n')
+
+    def test_refuses_an_impossible_date_and_a_target_that_is_no_loss(self):
+        for date in ("2025-02-30", "2025-1-02", "yesterday"):
+            with self.assertRaisesRegex(records.RecordError, f"--date {date}: not a date"):
+                records.freeze("x", date, 3.28, self.dir)
+        for target in (float("nan"), float("inf"), -1.0, 0.0):
+            with self.assertRaisesRegex(records.RecordError, "a val loss is a finite number above 0"):
+                records.freeze("x", "2025-01-02", target, self.dir)
+        self.assertEqual(os.listdir(self.dir), [])
+
+    def write_tree(self, name, files):
+        for path, text in files.items():
+            self.write(os.path.join(name, path), text)
+        return os.path.join(self.dir, name)
+
+    def test_freezes_the_code_a_log_carries(self):
+        files = {"train_gpt.cu": '#include "kernels/a.cuh"\nint main() {}\n',
+                 "kernels/a.cuh": "#pragma once\nint a;\n", "kernels/unused.cuh": "#pragma once\nint u;\n"}
+        tree = self.write_tree("tree", files)
+        # The source as CMake embeds it: train_gpt.cu, then every header, each under its path.
+        source = "".join(f"// ===== {path} =====\n{text}" for path, text in files.items())
+        log = self.write("run.txt", settings_log(3.0, 900, source=source))
+        from_log = records.freeze("logged", "2025-01-02", 2.67, os.path.join(self.dir, "a"), from_logs=[log])
+        from_tree = records.freeze("logged", "2025-01-02", 2.67, os.path.join(self.dir, "b"), root=tree)
+        texts = []
+        for folder in (from_log, from_tree):
+            with open(os.path.join(folder, "train_gpt.cu")) as f:
+                texts.append(f.read())
+        self.assertEqual(texts[0], texts[1])
+        # A run of the frozen file logs the text above its marker: the same code again.
+        above = texts[0].split(records.EMBED_MARKER)[0]
+        frozen_run = self.write("frozen_run.txt", settings_log(3.1, 901, source=above))
+        self.assertEqual(records.log_code([log, frozen_run]), records.body_of_frozen(texts[0]))
+
+    def test_refuses_logs_of_two_codes_and_logs_without_source(self):
+        one = self.write("one.txt", settings_log(3.0, 900, source="// ===== train_gpt.cu =====\nint main() {}\n"))
+        two = self.write("two.txt", settings_log(3.1, 900, source="// ===== train_gpt.cu =====\nint main() { return 1; }\n"))
+        with self.assertRaisesRegex(records.RecordError, "built from 2 different sources"):
+            records.freeze("x", "2025-01-02", 2.67, self.dir, from_logs=[one, two])
+        bare = self.write("bare.txt", step_log(10, 3.0, 900))
+        with self.assertRaisesRegex(records.RecordError, "bare.txt: carries no source of this trainer"):
+            records.freeze("x", "2025-01-02", 2.67, self.dir, from_logs=[bare])
+        missing = self.write("missing.txt", settings_log(
+            3.0, 900, source='// ===== train_gpt.cu =====\n#include "kernels/gone.cuh"\n'))
+        with self.assertRaisesRegex(records.RecordError, "includes kernels/gone.cuh, which the log does not carry"):
+            records.freeze("x", "2025-01-02", 2.67, self.dir, from_logs=[missing])
+        self.assertEqual(sorted(os.listdir(self.dir)), ["bare.txt", "missing.txt", "one.txt", "two.txt"])
 
     def test_refuses_an_existing_record_and_a_bad_name(self):
         records.freeze("once", "2025-01-02", 3.28, self.dir)
@@ -362,16 +522,20 @@ class Tables(TempDir):
                          "run `python3 tools/records.py table` and commit the result")
         with open(os.path.join(REFERENCE, "README.md")) as f:
             readme = f.read()
-        self.assertEqual(records.with_block(readme, records.record_results(REFERENCE), REFERENCE), readme)
+        results = records.stats_report(records.finished_runs([REFERENCE]), records.record_target(REFERENCE))
+        self.assertEqual(records.with_block(readme, results, REFERENCE), readme)
 
     def test_tables_of_a_record_folder(self):
         self.write("README.md", f"# top\n{records.TABLE_BEGIN}\nstale\n{records.TABLE_END}\n")
         records_dir = os.path.join(self.dir, "records")
         folder = records.freeze("reference", "2025-07-13", 3.28, records_dir)
         records.freeze("empty", "2025-07-14", 2.67, records_dir)
-        for name in os.listdir(REFERENCE):
-            if name.endswith(".txt"):
-                shutil.copy(os.path.join(REFERENCE, name), folder)
+        with open(os.path.join(folder, "train_gpt.cu")) as f:
+            code = f.read().split(records.EMBED_MARKER)[0]  # what a run of the frozen file logs
+        # The three reference runs' final losses and times, in logs of the record's code.
+        for i, (loss, ms) in enumerate(((3.2782, 177930), (3.2785, 178064), (3.2794, 173789))):
+            self.write(f"records/2025-07-13_reference/run{i}.txt",
+                       settings_log(loss, ms, source=code, num_iterations=1770))
         # A new record's README is current until it has logs.
         self.assertEqual(records.update_tables(self.dir), [os.path.join(self.dir, "README.md"),
                                                            os.path.join(folder, "README.md")])
@@ -382,6 +546,10 @@ class Tables(TempDir):
         self.assertIn("| [2025-07-14_empty](records/2025-07-14_empty/) | 2.67 | 0 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |\n", top)
         with open(os.path.join(folder, "README.md")) as f:
             self.assertIn("| 3 | 1770 | 3.27870 | 0.00062 | -3.606 | 2 | 0.0345 | no | 176.594 | 2.430 |", f.read())
+        # A log of other code (the working tree's, say) is not a run of the record.
+        self.write("records/2025-07-13_reference/other.txt", settings_log(3.2790, 175000))
+        with self.assertRaisesRegex(records.RecordError, "other.txt: was not built from .*2025-07-13_reference/train_gpt.cu"):
+            records.update_tables(self.dir)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ class ComparisonPlot(TempDir):
         self.runs = [records.parse_log(FIRST), records.parse_log(SECOND)]
         self.record = records.parse_log(RECORD)
         self.figure = records.comparison_figure(self.runs, self.record)
-        self.by_step, self.by_time, self.loss_difference, self.time_difference = self.figure.axes
+        (self.by_step, self.by_time, self.loss_difference, self.time_difference, self.step_time,
+         self.zoom) = self.figure.axes
 
     def test_compare_writes_a_png(self):
         png = os.path.join(self.dir, "cmp.png")
@@ -105,6 +106,35 @@ class ComparisonPlot(TempDir):
         times = line_data(self.time_difference)[REFERENCE_LOGS[1]][1]
         self.assertAlmostEqual(times[-1], 4.275, places=9)
         self.assertEqual(self.time_difference.get_ylabel(), "train time difference (s), > 0: slower")
+
+    def test_time_of_each_step_and_the_last_third_with_the_target(self):
+        steps, ms = line_data(self.step_time)[f"record: {REFERENCE_LOGS[2]}"]
+        record = records.parse_log(RECORD)
+        self.assertEqual(steps[0], record.train[1][0])
+        self.assertEqual(ms[-1], record.train[-1][1] - record.train[-2][1])  # the last step's own time
+        self.assertIn("ms per step", self.step_time.get_ylabel())
+        figure = records.comparison_figure(self.runs, self.record, labels=["first", "second"], target=3.28)
+        zoom = figure.axes[5]
+        self.assertIn("from step 1180", zoom.get_title())  # 2/3 of 1770
+        curves = line_data(zoom)
+        self.assertEqual(min(curves["first"][0]), min(s for s, _, _ in self.runs[0].val if s >= 1180))
+        self.assertIn("target 3.28", curves)
+        self.assertEqual(curves["target 3.28"][1], [3.28, 3.28])
+        legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+        self.assertEqual(legend[:2], ["first", "second"])
+
+    def test_runs_of_other_lengths_or_data_say_so_on_the_plot(self):
+        short = self.write("short.txt", "".join(
+            f"step:{s}/860 val_loss:{4.0 - s / 1000:.4f} train_time:{s * 90}ms step_avg:90.00ms\n" for s in (0, 125, 250, 860)))
+        figure = records.comparison_figure([records.parse_log(short)], self.record)
+        title = suptitle(figure)
+        self.assertIn("note: ours runs 860 steps, the record 1770: the schedules differ, steps are compared by number only",
+                      title)
+        self.assertIn("note: settings not in both logs", title)
+        rc, out, _ = self.command("compare", short, RECORD)
+        self.assertEqual(rc, 0)
+        self.assertIn("final: ours 3.1400 at step 860 in 77.4 s, the record 3.2794 at step 1770 in 173.8 s: -0.1394, -96.4 s",
+                      out)
 
     def test_large_differences_go_symlog_keeping_a_thousandth_visible(self):
         with open(FIRST) as f:

@@ -4,7 +4,7 @@
 // missing rank or a missing rank 0 ends in an error that names it, within the timeout; a silent
 // connection holds no one up; a duplicate or misconfigured rank stops every connected process at once.
 #include "check.h"
-#include "kernels/rendezvous.h"
+#include "kernels/host/rendezvous.h"
 
 #include <sys/wait.h>
 

@@ -1,6 +1,6 @@
 // The sharding planner against SPEC 4.3 and the record's numbers (SPEC 1.9, 1.10).
 #include "check.h"
-#include "kernels/sharding.h"
+#include "kernels/host/sharding.h"
 
 #include <set>
 

@@ -14,7 +14,7 @@ import timeline_summary  # noqa: E402
 
 
 def trace(spans):
-    """spans: [(lane, name, ts_us, dur_us)] as kernels/timeline.cuh writes them."""
+    """spans: [(lane, name, ts_us, dur_us)] as kernels/host/timeline.cuh writes them."""
     lanes, events = [], []
     for lane, name, ts, dur in spans:
         if lane not in lanes:

@@ -191,6 +191,89 @@ TEST_CASE("the run log: source, rule, environment, rule, then lines") {
   CHECK(trainer_source().find("struct Hyperparameters") != std::string::npos);
 }
 
+// Runs a shell command; its exit status and output (stdout and stderr).
+std::pair<int, std::string> shell(const std::string& command) {
+  std::string out;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (!pipe) return {-1, "popen failed: " + command};
+  char buffer[4096];
+  while (size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// A run log as the trainer writes it: its source and environment, this run's settings, three steps.
+std::string write_run_log(const std::string& dir, const std::vector<std::string>& words, double final_loss) {
+  Args args(words);
+  Hyperparameters h;
+  CHECK(parse_flags(args.argc(), args.argv(), h));
+  RunLog log(dir, new_run_id());
+  log.header(trainer_source(), "gpu: a test's\n" + run_settings_report(h, ProcessGroupEnv{}, command_line(args.argc(), args.argv()),
+                                                                         check_data(h)));
+  log.line(validation_line(0, 3, 10.8, 0.0), false);
+  for (int step = 1; step <= 3; ++step) log.line(train_step_line(step, 3, 100.0 * step + final_loss), false);
+  log.line(validation_line(3, 3, final_loss, 300.0), false);
+  return log.path();
+}
+
+TEST_CASE("the log's head says what made the run; tools/records.py reads it back and pools only equal settings") {
+  const std::vector<std::string> sample = {"--train-files", "data/sample/sample_train_*.bin", "--val-files",
+                                           "data/sample/sample_val_*.bin", "--seq-len", "16384", "--micro-batches",
+                                           "1", "--num-iterations", "3", "--val-tokens", "65536", "--val-seq-len",
+                                           "65536", "--warmup-steps", "0"};
+  Args args(sample);
+  Hyperparameters h;
+  CHECK(parse_flags(args.argc(), args.argv(), h));
+  ProcessGroupEnv g;
+  g.world_size = g.local_world_size = 2;
+  g.launcher = "torchrun";
+  const std::string report = run_settings_report(h, g, command_line(args.argc(), args.argv()), check_data(h));
+  CHECK(report.rfind("command: train_gpt --train-files 'data/sample/sample_train_*.bin' --val-files "
+                     "'data/sample/sample_val_*.bin' --seq-len 16384 --micro-batches 1 --num-iterations 3",
+                     0) == 0);
+  CHECK(report.find("\nbuild: commit ") != std::string::npos);  // built by CMake from this checkout
+  CHECK(report.find("\nranks: world size 2, ranks per node 2, launcher torchrun\n") != std::string::npos);
+  CHECK(report.find("\nsetting: num-iterations=3\n") != std::string::npos);
+  CHECK(report.find("\nsetting: matrix-optimizer=muon\n") != std::string::npos);  // a default, written too
+  std::istringstream lines(report);
+  int settings = 0, shards = 0;
+  for (std::string line; std::getline(lines, line);) {
+    settings += line.rfind("setting: ", 0) == 0;
+    if (line.rfind("shard: ", 0) == 0) {
+      ++shards;
+      CHECK(line.find(" bytes, token hash ") == line.size() - 35);  // then 16 hexadecimal digits
+    }
+  }
+  CHECK(settings == int(flag_table(h).size()));  // every flag
+  CHECK(shards == 2);
+  CHECK(report.find("shard: train-files data/sample/sample_train_000001.bin 2801024 bytes, token hash ") !=
+        std::string::npos);
+  CHECK(command_line(2, std::vector<char*>{const_cast<char*>("a"), const_cast<char*>("it's")}.data()) ==
+        "a 'it'\\''s'");
+
+  const std::string dir = temp_dir("settings_logs");
+  std::vector<std::string> seeded = sample, rekls = sample;
+  seeded.insert(seeded.end(), {"--seed", "7"});
+  rekls.insert(rekls.end(), {"--matrix-optimizer", "rekls"});
+  const std::string a = write_run_log(dir, sample, 7.25), b = write_run_log(dir, seeded, 7.5),
+                    c = write_run_log(dir, rekls, 7.75);
+  const auto pooled = shell("python3 tools/records.py stats " + a + " " + b + " --target 8");
+  CHECK(pooled.first == 0);
+  CHECK(pooled.second.find("| 2 | 3 | 7.37500 |") != std::string::npos);
+  CHECK(pooled.second.find("note:") == std::string::npos);
+  const auto refused = shell("python3 tools/records.py stats " + a + " " + c + " --target 8");
+  CHECK(refused.first == 1);
+  CHECK(refused.second.find("error: runs that differ pool into nothing: --matrix-optimizer: muon in ") != std::string::npos);
+  // The source this log carries is the trainer's: frozen from the log, it is today's frozen trainer.
+  const auto frozen = shell("python3 tools/records.py freeze from-log --date 2025-01-02 --target 8 --records-dir " + dir +
+                            "/records --from-log " + a + " " + b + " && python3 tools/records.py inline " + dir +
+                            "/inline.cu && python3 -c 'import sys; sys.path.insert(0, \"tools\"); import records; "
+                            "a, b = (records.body_of_frozen(open(p).read()) for p in sys.argv[1:]); "
+                            "sys.exit(0 if a == b and a else 1)' " + dir + "/records/2025-01-02_from-log/train_gpt.cu " +
+                            dir + "/inline.cu");
+  CHECK(frozen.first == 0);
+}
+
 TEST_CASE("checkpoints round-trip, replace atomically and name the newest") {
   std::string dir = temp_dir("checkpoints");
   CHECK(newest_checkpoint(dir).empty());

@@ -3,7 +3,7 @@
 // run in a child process (fork), prints the rank and message, flushes the output (or gives up on
 // a flush that hangs) and exits with kStalledRankExitCode, keeping the output written before.
 #include "check.h"
-#include "kernels/watchdog.h"
+#include "kernels/host/watchdog.h"
 
 #include <poll.h>
 #include <signal.h>

@@ -1,8 +1,9 @@
 # Writes OUTPUT: a C++ include that defines kTrainerSource, the trainer's full source (train_gpt.cu,
-# then every header of kernels/ and data/), each file headed by its path, so the run log carries
+# then every header of kernels/, kernels/host/ and data/), each file headed by its path, so the run log carries
 # the exact code that produced it (as the reference logs its script).
 # Usage: cmake -DSOURCE_DIR=<repo> -DOUTPUT=<file> -P embed_source.cmake
-file(GLOB headers RELATIVE ${SOURCE_DIR} ${SOURCE_DIR}/kernels/*.cuh ${SOURCE_DIR}/kernels/*.h ${SOURCE_DIR}/data/*.h)
+file(GLOB headers RELATIVE ${SOURCE_DIR} ${SOURCE_DIR}/kernels/*.cuh ${SOURCE_DIR}/kernels/host/*.cuh
+     ${SOURCE_DIR}/kernels/host/*.h ${SOURCE_DIR}/data/*.h)
 list(SORT headers)
 set(bytes "")
 foreach(path train_gpt.cu ${headers})

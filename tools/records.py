@@ -3,10 +3,11 @@
 comparison of runs with a record's, and the generated record tables. Standard library only, but for
 the plots (--png), which need matplotlib.
 
-  records.py freeze NAME [--date YYYY-MM-DD] [--target 3.28]  new records/<date>_<NAME>/
+  records.py freeze NAME [--date YYYY-MM-DD] [--target 3.28] [--from-log LOG...]
+                                                              new records/<date>_<NAME>/
   records.py inline OUTPUT                                    the single-file trainer only
-  records.py stats LOG|DIR... [--against LOG|DIR...] [--target 3.28] [--png FILE]
-  records.py compare OURS... RECORD [--png FILE]
+  records.py stats LOG|DIR... [--against LOG|DIR...] [--target X] [--png FILE]
+  records.py compare OURS... RECORD [--png FILE] [--label NAME...] [--target X]
   records.py table [--check]                                  regenerate the README tables
 """
 import argparse
@@ -22,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINEWEB_TARGET = 3.28  # the community rule: mean final val loss < 3.28 at p < 0.01
 SIGNIFICANCE = 0.01
 BUILD_COMMAND = ("nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr "
-                 "-o train_gpt train_gpt.cu -lcublasLt -lcublas -lnccl")
+                 "-o train_gpt train_gpt.cu -lcublasLt -lcublas -lcusolver -lnccl")
 TABLE_BEGIN, TABLE_END = "<!-- records:begin -->", "<!-- records:end -->"
 RECORD_FOLDER = re.compile(r"\d{4}-\d{2}-\d{2}_[A-Za-z0-9][A-Za-z0-9_.-]*")
 TARGET_LINE = re.compile(r"^Target val loss: ([0-9.]+)$", re.M)
@@ -45,6 +46,14 @@ TRAIN_LINE = re.compile(rf"step:(\d+)/(\d+) train_time:(\d+)ms step_avg:{NUMBER}
 FALLBACK_LINE = "self-check fallback: "
 
 
+SETTING_LINE = re.compile(r"setting: ([a-z0-9-]+)=(.*)")
+SHARD_LINE = re.compile(r"shard: ([a-z-]+) (.+) (\d+) bytes, token hash ([0-9a-f]{16})")
+# Flags that change neither what a run computes nor how fast: runs that differ only in them pool.
+POOLABLE_FLAGS = {"seed", "checkpoint-dir", "log-dir", "resume", "resume-other-settings", "stall-timeout",
+                  "self-check"}
+DATA_FLAGS = {"train-files", "val-files"}  # compared by the shards they matched, not by the globs' text
+
+
 @dataclass
 class Run:
     path: str
@@ -52,11 +61,23 @@ class Run:
     val: list = field(default_factory=list)    # (step, val loss, train ms) at validation steps
     train: list = field(default_factory=list)  # (step, train ms) after training steps
     fallbacks: list = field(default_factory=list)  # the header's "self-check fallback: ..." lines
+    source: str = ""  # the text before the first rule: the source the run was built from
+    settings: dict = field(default_factory=dict)  # flag -> exact value, from the header's setting: lines
+    shards: list = field(default_factory=list)  # (flag, size in bytes, token hash) of every shard read
+    header: dict = field(default_factory=dict)  # command, build, ranks, gpu lines of the header
 
     def final(self):
         """(val loss, train ms) of the final step:N/N val_loss line, or None if the run did not finish."""
         last = [(loss, ms) for step, loss, ms in self.val if step == self.num_iterations]
         return last[-1] if last else None
+
+    def data(self):
+        """What the run trained on, by the shards' file names: 'FineWeb', the names, or None if unrecorded."""
+        names = sorted(os.path.basename(path) for flag, path, _, _ in self.shards if flag == "train-files")
+        if not names:
+            return None
+        return "FineWeb" if all(n.startswith("fineweb_train_") for n in names) else ", ".join(names[:3]) + (
+            ", ..." if len(names) > 3 else "")
 
 
 def parse_log(path):
@@ -64,8 +85,20 @@ def parse_log(path):
         lines = f.read().splitlines()
     rules = [i for i, line in enumerate(lines) if line == LOG_RULE]
     run = Run(path)
-    # The trainer's header (after the source's rule) names every fast path its self-check replaced.
-    run.fallbacks = [line for line in lines[rules[0] + 1 if rules else 0:] if line.startswith(FALLBACK_LINE)]
+    if rules:
+        run.source = "\n".join(lines[:rules[0]]) + "\n"
+    # The trainer's header (after the source's rule): what made the run, and every fast path its
+    # self-check replaced.
+    header_end = rules[1] if len(rules) >= 2 else len(lines)
+    for line in lines[rules[0] + 1 if rules else 0:header_end]:
+        if line.startswith(FALLBACK_LINE):
+            run.fallbacks.append(line)
+        elif m := SETTING_LINE.fullmatch(line):
+            run.settings[m[1]] = m[2]
+        elif m := SHARD_LINE.fullmatch(line):
+            run.shards.append((m[1], m[2], int(m[3]), m[4]))
+        elif (key := line.split(": ", 1)[0]) in ("command", "build", "ranks", "gpu") and ": " in line:
+            run.header[key] = line.split(": ", 1)[1]
     targets = set()
     for line in lines[rules[-1] + 1 if rules else 0:]:
         if m := VAL_LINE.fullmatch(line):
@@ -115,8 +148,50 @@ def finished_runs(paths):
     if len(by_target) > 1:
         mix = "; ".join(f"{n} steps in {', '.join(files)}" for n, files in sorted(by_target.items()))
         raise RecordError(f"runs mix targets: {mix}")
+    if differences := setting_differences(runs):
+        raise RecordError(f"runs that differ pool into nothing: {differences[0]}")
     refuse_duplicates(runs)
     return runs
+
+
+def setting_differences(runs):
+    """Where runs that carry their settings differ in what made them, one text each: a flag's value
+    (but the POOLABLE_FLAGS), the data read (shard sizes and token hashes, not paths: a glob may be
+    written relative or absolute), the ranks. Runs whose logs carry no settings are not compared."""
+    recorded = [run for run in runs if run.settings]
+
+    def differing(what, value_of):
+        values = {}
+        for run in recorded:
+            values.setdefault(value_of(run), []).append(os.path.basename(run.path))
+        if len(values) < 2:
+            return []
+        return [f"{what}: " + "; ".join(f"{value} in {', '.join(files)}" for value, files in values.items())]
+
+    found = []
+    for flag in sorted({flag for run in recorded for flag in run.settings} - POOLABLE_FLAGS - DATA_FLAGS):
+        found += differing(f"--{flag}", lambda run: run.settings.get(flag, "(not recorded)"))
+    found += differing("the data read (shard sizes and token hashes)",
+                       lambda run: " ".join(f"{flag}:{size}:{digest}" for flag, _, size, digest in run.shards))
+    found += differing("the ranks", lambda run: run.header.get("ranks", "(not recorded)"))
+    return found
+
+
+def comparability_notes(runs):
+    """What a reader of pooled statistics must know: logs that carry no settings (nothing was
+    checked), train times pooled over several GPU models."""
+    notes = []
+    unrecorded = [os.path.basename(run.path) for run in runs if not run.settings]
+    if unrecorded:
+        notes.append(f"{', '.join(unrecorded)}: no settings in the log (an older trainer's, or another code's): "
+                     "whether these runs share their flags and data is not checked")
+    gpus = {}
+    for run in runs:
+        gpus.setdefault(run.header.get("gpu", "(GPU not recorded)"), []).append(run)
+    if len(gpus) > 1:
+        notes.append("train times pooled over GPU models: " + ", ".join(
+            f"{gpu} ({len(r)} run{'s' if len(r) > 1 else ''})" for gpu, r in gpus.items()))
+    return notes
 
 
 def refuse_duplicates(runs):
@@ -242,6 +317,11 @@ def number(value, digits):
     return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
 
 
+def p_text(p):
+    """A p-value to 4 decimals, or "< 1e-4" below them (0.0000 would read as impossible)."""
+    return "< 1e-4" if p < 1e-4 else number(p, 4)
+
+
 def loss_and_seconds(runs):
     """Summaries of the final val loss and of the train time in seconds."""
     return summarize([r.final()[0] for r in runs]), summarize([r.final()[1] / 1000 for r in runs])
@@ -251,7 +331,7 @@ def set_row(runs, target):
     loss, seconds = loss_and_seconds(runs)
     t, df, p = one_sample_less(loss, target)
     return [str(loss.n), str(runs[0].num_iterations), number(loss.mean, 5), number(loss.std, 5), number(t, 3),
-            number(df, 0), number(p, 4), significance(p), number(seconds.mean, 3), number(seconds.std, 3)]
+            number(df, 0), p_text(p), significance(p), number(seconds.mean, 3), number(seconds.std, 3)]
 
 
 def significance(p):
@@ -268,15 +348,16 @@ def runs_table(runs):
                     [[os.path.basename(r.path), f"{r.final()[0]:.4f}", f"{r.final()[1] / 1000:.3f}"] for r in runs])
 
 
-def stats_report(runs, target, against=None):
+def stats_report(runs, target, against=None, notes=()):
+    report = "".join(f"note: {n}\n" for n in notes) + ("\n" if notes else "")
     if against is None:
-        return runs_table(runs) + "\n" + markdown(set_header(target), [set_row(runs, target)])
-    report = markdown(["set"] + set_header(target), [["A"] + set_row(runs, target), ["B"] + set_row(against, target)])
+        return report + runs_table(runs) + "\n" + markdown(set_header(target), [set_row(runs, target)])
+    report += markdown(["set"] + set_header(target), [["A"] + set_row(runs, target), ["B"] + set_row(against, target)])
     rows = []
     quantities = zip(("val loss", "train time (s)"), loss_and_seconds(runs), loss_and_seconds(against), (5, 3))
     for name, a, b, digits in quantities:
         t, df, p = welch(a, b)
-        rows.append([name, number(b.mean - a.mean, digits), number(t, 3), number(df, 2), number(p, 4)])
+        rows.append([name, number(b.mean - a.mean, digits), number(t, 3), number(df, 2), p_text(p)])
     return report + "\nWelch's t-test, B against A (two-sided):\n\n" + markdown(
         ["quantity", "mean B - mean A", "t", "df", "p"], rows)
 
@@ -284,6 +365,20 @@ def stats_report(runs, target, against=None):
 # ------------------------------------------------------------------------------------------------
 # Comparison of runs with a record's run: step-aligned validation tables.
 # ------------------------------------------------------------------------------------------------
+def default_target(runs):
+    """FineWeb's target for runs that trained on FineWeb; refused for runs whose logs name other data
+    (FineWeb's 3.28 says nothing of them); assumed, with a note, where the logs do not say."""
+    data = {run.data() for run in runs}
+    others = sorted(d for d in data if d not in (None, "FineWeb"))
+    if others:
+        raise RecordError(f"these runs trained on {'; '.join(others)}, not FineWeb: FineWeb's target {FINEWEB_TARGET} "
+                          "says nothing of them; give theirs with --target")
+    if None in data:
+        return FINEWEB_TARGET, [f"target {FINEWEB_TARGET}, FineWeb's, assumed: not every log says what its run "
+                                "trained on (give another with --target)"]
+    return FINEWEB_TARGET, []
+
+
 def aligned_validation(ours, record):
     """(step, our val loss, the record's, our train ms, the record's) at each validation step of both."""
     theirs = {step: (loss, ms) for step, loss, ms in record.val}
@@ -293,16 +388,40 @@ def aligned_validation(ours, record):
     return rows
 
 
-def comparison_table(ours, record):
+def comparison_notes(ours, record):
+    """Why a run and a record's run may not be comparable step for step: other step counts (other
+    schedules), other data, other flags; and logs that do not say."""
+    notes = []
+    if ours.num_iterations != record.num_iterations:
+        notes.append(f"ours runs {ours.num_iterations} steps, the record {record.num_iterations}: the schedules "
+                     "differ, steps are compared by number only")
+    data = (ours.data(), record.data())
+    if None not in data and data[0] != data[1]:
+        notes.append(f"ours trained on {data[0]}, the record on {data[1]}: their losses are not comparable")
+    if not (ours.settings and record.settings):
+        notes.append("settings not in both logs: whether the runs share flags and data is not checked")
+    else:
+        notes += [f"the runs differ in {d}" for d in setting_differences([ours, record])]
+    return notes
+
+
+def final_comparison(ours, record):
+    """Each run's last validation, whatever its step: the one comparison of runs of other lengths."""
+    (step, loss, ms), (their_step, their_loss, their_ms) = ours.val[-1], record.val[-1]
+    return (f"final: ours {loss:.4f} at step {step} in {ms / 1000:.1f} s, the record {their_loss:.4f} at step "
+            f"{their_step} in {their_ms / 1000:.1f} s: {loss - their_loss:+.4f}, {(ms - their_ms) / 1000:+.1f} s")
+
+
+def comparison_table(ours, record, label=None):
     rows = [[str(step), f"{loss:.4f}", f"{their_loss:.4f}", f"{loss - their_loss:+.4f}",
              str(ms), str(their_ms), f"{ms - their_ms:+d}"]
             for step, loss, their_loss, ms, their_ms in aligned_validation(ours, record)]
-    note = "" if ours.num_iterations == record.num_iterations else (
-        f"note: ours runs {ours.num_iterations} steps, the record {record.num_iterations}; "
-        "steps compared by number\n\n")
-    return f"{ours.path} against the record {record.path}:\n\n" + note + markdown(
+    notes = "".join(f"note: {n}\n" for n in comparison_notes(ours, record))
+    name = f"{label} ({ours.path})" if label else ours.path
+    return f"{name} against the record {record.path}:\n\n" + notes + (
+        "\n" if notes else "") + markdown(
         ["step", "ours val loss", "record val loss", "delta loss", "ours time (ms)", "record time (ms)",
-         "delta time (ms)"], rows)
+         "delta time (ms)"], rows) + "\n" + final_comparison(ours, record) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,19 +479,34 @@ def final_text(run):
     return f"val loss {loss:.4f} in {ms / 1000:.1f} s{unfinished}"
 
 
-def comparison_figure(runs, record):
-    """Val loss against step and against train time (log scale), and each run's val loss and train
-    time minus the record's at the validation steps they share (the record is the zero line)."""
+def step_times(run):
+    """(step, ms of that step) from consecutive train lines: the speedrun's number, step by step."""
+    return [(step, (ms - last_ms) / (step - last_step))
+            for (last_step, last_ms), (step, ms) in zip(run.train, run.train[1:]) if step > last_step]
+
+
+def comparison_figure(runs, record, labels=None, target=None):
+    """Val loss against step and against train time (log scale); each run's val loss and train time
+    minus the record's at the validation steps they share (the record is the zero line); the time of
+    each step; the last third of training up close, with the target line. Why the runs may not be
+    comparable (comparison_notes) is in the title."""
     aligned = [aligned_validation(run, record) for run in runs]  # first: refuses runs with nothing to compare
-    figure = new_figure(figsize=(13, 9.5))
-    (by_step, by_time), (loss_difference, time_difference) = figure.subplots(2, 2)
+    figure = new_figure(figsize=(13, 14))
+    (by_step, by_time), (loss_difference, time_difference), (step_time, zoom) = figure.subplots(3, 2)
     # The record's dashed black line is drawn last, over ours, so it shows where they coincide.
-    styles = [(run, {"color": f"C{i}", "label": os.path.basename(run.path)}) for i, run in enumerate(runs)]
+    names = labels or [os.path.basename(run.path) for run in runs]
+    styles = [(run, {"color": f"C{i}", "label": name}) for i, (run, name) in enumerate(zip(runs, names))]
     styles.append((record, {"color": "black", "linestyle": "--", "label": f"record: {os.path.basename(record.path)}"}))
+    last_third = 2 * max(run.num_iterations for run, _ in styles) // 3
     for run, style in styles:
         steps, losses, ms = zip(*run.val)
         by_step.plot(steps, losses, marker="o", markersize=3, **style)
         by_time.plot([m / 1000 for m in ms], losses, marker="o", markersize=3, **style)
+        late = [(step, loss) for step, loss in zip(steps, losses) if step >= last_third]
+        if late:
+            zoom.plot(*zip(*late), marker="o", markersize=4, **style)
+        if timed := step_times(run):
+            step_time.plot(*zip(*timed), linewidth=0.8, **style)
     differences = []  # of every run, to scale the axis
     for rows, (_, style) in zip(aligned, styles):
         steps, losses, their_losses, ms, their_ms = zip(*rows)
@@ -384,25 +518,38 @@ def comparison_figure(runs, record):
     for axes in (loss_difference, time_difference):
         axes.axhline(0, color="black", linestyle="--", linewidth=1)
     loss_difference_axis(loss_difference, differences)
+    if target is not None:
+        zoom.axhline(target, color="red", linestyle=":", label=f"target {target}")
     for axes, title in ((by_step, "val loss against step"), (by_time, "val loss against train time"),
                         (loss_difference, "val loss minus the record's at the same step"),
-                        (time_difference, "train time minus the record's at the same step")):
+                        (time_difference, "train time minus the record's at the same step"),
+                        (step_time, "time of each training step"),
+                        (zoom, f"the last third of training (from step {last_third})")):
         axes.set_title(title)
         axes.grid(alpha=0.4)
     for axes in (by_step, by_time):
         log_loss_axis(axes)
     by_step.legend(loc="upper right")
-    by_step.set_xlabel("step")
+    for axes in (by_step, loss_difference, time_difference, step_time, zoom):
+        axes.set_xlabel("step")
     by_time.set_xlabel("train time (s)")
-    loss_difference.set_xlabel("step")
-    time_difference.set_xlabel("step")
     time_difference.set_ylabel("train time difference (s), > 0: slower")
+    # the axis up to twice the median step: the steps beside a validation, much shorter or longer
+    # in the logs, leave it
+    timed = sorted(ms for run, _ in styles for _, ms in step_times(run))
+    if timed:
+        step_time.set_ylim(0, 2 * timed[len(timed) // 2])
+    step_time.set_ylabel("ms per step (axis up to twice the median step)")
+    zoom.set_ylabel("val loss")
+    zoom.ticklabel_format(axis="y", useOffset=False)
+    zoom.legend(loc="upper right")
     title = [f"record (dashed) {os.path.basename(record.path)}: {final_text(record)}"]
-    for run, rows in zip(runs, aligned):
+    for run, name, rows in zip(runs, names, aligned):
         step, loss, their_loss, ms, their_ms = rows[-1]
-        title.append(f"{os.path.basename(run.path)}: {final_text(run)}; against the record at step {step}: "
+        title.append(f"{name}: {final_text(run)}; against the record at step {step}: "
                      f"{loss - their_loss:+.4f}, {(ms - their_ms) / 1000:+.1f} s")
-    figure.suptitle("\n".join(title))
+        title += [f"note: {n}" for n in comparison_notes(run, record)]
+    figure.suptitle("\n".join(dict.fromkeys(title)))  # a note shared by every run once
     return figure
 
 
@@ -411,7 +558,7 @@ def set_label(paths):
     return os.path.basename(os.path.commonpath([os.path.abspath(p) for p in paths]))
 
 
-def stats_figure(sets, target):
+def stats_figure(sets, target, notes=()):
     """Each set's final val losses (a dot a run), their mean and its one-sided upper confidence
     bound (below the target exactly when p < SIGNIFICANCE), against the target line; each set's
     one-sample test under it. sets holds (label, runs) pairs: one set, or two for --against."""
@@ -433,13 +580,14 @@ def stats_figure(sets, target):
         t, df, p = one_sample_less(loss, target)
         verdict = {"yes": "", "no": f" (not < {SIGNIFICANCE})", "n/a": " (too few runs)"}[significance(p)]
         set_texts.append(f"{label} (n = {loss.n})\nmean {number(loss.mean, 5)}, std {number(loss.std, 5)}\n"
-                         f"mean < {target}: t = {number(t, 3)}, df = {number(df, 0)}\np = {number(p, 4)}{verdict}")
+                         f"mean < {target}: t = {number(t, 3)}, df = {number(df, 0)}\np = {p_text(p)}{verdict}")
     title = [f"Final val loss against the target {target}"]
     if len(summaries) == 2:
         t, df, p = welch(*summaries)
         title.append(f"B against A, Welch's two-sided test: mean B - mean A = "
                      f"{number(summaries[1].mean - summaries[0].mean, 5)}, t = {number(t, 3)}, df = {number(df, 2)}, "
-                     f"p = {number(p, 4)}")
+                     f"p = {p_text(p)}")
+    title += [f"note: {n}" for n in notes]
     axes.axhline(target, color="red", linestyle="--", label=f"target {target}")
     axes.set_xticks(range(len(sets)), set_texts)
     axes.set_xlim(-0.6, len(sets) - 0.3)
@@ -452,33 +600,115 @@ def stats_figure(sets, target):
 
 
 # ------------------------------------------------------------------------------------------------
-# Freezing: the trainer with every kernels/ and data/ header inlined, once, in inclusion order.
+# Freezing: the trainer with every kernels/ and data/ header inlined, once, in inclusion order, from
+# the working tree or from the source a run's log carries; its text embedded at its end, so that a
+# run of it logs exactly the file, wherever it runs from.
 # ------------------------------------------------------------------------------------------------
 LOCAL_INCLUDE = re.compile(r'\s*#\s*include\s+"((?:kernels|data)/[^"]+)".*')
 PRAGMA_ONCE = re.compile(r"\s*#\s*pragma\s+once\s*")
+FROZEN_DEFINE = re.compile(r'#define SPEEDRUN_FROZEN_RECORD "([^"]*)"')
+EMBED_MARKER = "// ===== this file's text above this line, embedded for the run log by tools/records.py ====="
+EMBED_DELIMITER = "speedrun_source"
+SOURCE_SECTION = re.compile(r"// ===== ([\w./-]+) =====")  # a CMake build's embedded file (embed_source.cmake)
 
 
-def inlined(path, root, seen):
+def tree_files(root):
+    """read(path) of the working tree."""
+    def read(path):
+        with open(os.path.join(root, path), encoding="utf-8") as f:
+            return f.read()
+    return read
+
+
+def inlined(path, read, seen):
     seen.add(path)
-    with open(os.path.join(root, path), encoding="utf-8") as f:
-        lines = f.read().splitlines()
     out = []
-    for line in lines:
+    for line in read(path).splitlines():
         if PRAGMA_ONCE.fullmatch(line):
             continue
         m = LOCAL_INCLUDE.fullmatch(line)
         if not m:
             out.append(line)
         elif m[1] not in seen:
-            out += [f"// ===== {m[1]} (inlined) ====="] + inlined(m[1], root, seen) + [f"// ===== end of {m[1]} ====="]
+            out += [f"// ===== {m[1]} (inlined) ====="] + inlined(m[1], read, seen) + [f"// ===== end of {m[1]} ====="]
     return out
 
 
-def single_file_trainer(root=REPO):
-    head = ["// Frozen single-file trainer: train_gpt.cu with its kernels/ and data/ headers inlined by",
-            "// tools/records.py. Build it alone with:",
-            f"//   {BUILD_COMMAND}"]
-    return "\n".join(head + inlined("train_gpt.cu", root, set())) + "\n"
+def frozen_body(read):
+    """train_gpt.cu with its headers inlined: what a frozen file holds between its head and its embedding."""
+    return "\n".join(inlined("train_gpt.cu", read, set())) + "\n"
+
+
+def single_file_trainer(record, read=None):
+    """The frozen file of record (a folder name, or a note for `inline`): the build command, the
+    record's name for the log, the body, and the text above the marker embedded as kTrainerSource."""
+    head = [f"// Frozen single-file trainer of {record}: train_gpt.cu with its kernels/ and data/ headers",
+            "// inlined by tools/records.py. Build it alone with:",
+            f"//   {BUILD_COMMAND}",
+            f'#define SPEEDRUN_FROZEN_RECORD "{record}"']
+    text = "\n".join(head) + "\n" + frozen_body(read or tree_files(REPO))
+    if f'){EMBED_DELIMITER}"' in text:
+        raise RecordError(f"the trainer's text holds ){EMBED_DELIMITER}\", which ends the raw string embedding it")
+    return f'{text}{EMBED_MARKER}\nconst char kTrainerSource[] = R"{EMBED_DELIMITER}({text}){EMBED_DELIMITER}";\n'
+
+
+def body_of_frozen(text):
+    """The body of a frozen file's text (or of the text a run of it logged), or None if it is not one."""
+    lines = text.splitlines(keepends=True)
+    heads = [i for i, line in enumerate(lines) if FROZEN_DEFINE.fullmatch(line.rstrip("\n"))]
+    if not heads:
+        return None
+    end = next((i for i, line in enumerate(lines) if line.rstrip("\n") == EMBED_MARKER), len(lines))
+    return "".join(lines[heads[0] + 1:end])
+
+
+def source_files(source):
+    """{path: text} of a CMake build's embedded source (each file under its '// ===== path =====' line),
+    or None if the text is not one."""
+    files, path = {}, None
+    for line in source.splitlines(keepends=True):
+        m = SOURCE_SECTION.fullmatch(line.rstrip("\n"))
+        if m:
+            path = m[1]
+            files[path] = ""
+        elif path is None:
+            return None
+        else:
+            files[path] += line
+    return files if "train_gpt.cu" in files else None
+
+
+def code_of(run):
+    """The frozen body of the code a run was built from, from the source its log carries: a frozen
+    file's, or a CMake build's inlined as freezing would. None if the log carries neither."""
+    body = body_of_frozen(run.source)
+    if body is not None:
+        return body
+    files = source_files(run.source)
+    if files is None:
+        return None
+
+    def read(path):
+        if path not in files:
+            raise RecordError(f"{run.path}: its source includes {path}, which the log does not carry")
+        return files[path]
+    return frozen_body(read)
+
+
+def log_code(paths):
+    """The one code that produced every log named: refused if a log carries no source or two differ."""
+    codes = {}
+    for path in paths:
+        run = parse_log(path)
+        code = code_of(run)
+        if code is None:
+            raise RecordError(f"{path}: carries no source of this trainer (a CMake build's or a frozen file's)")
+        codes.setdefault(code, []).append(path)
+    if len(codes) > 1:
+        groups = [", ".join(files) for files in codes.values()]
+        raise RecordError(f"the logs were built from {len(codes)} different sources: {' | '.join(groups)}; "
+                          "a record freezes one")
+    return next(iter(codes))
 
 
 def record_readme(folder, target):
@@ -506,15 +736,29 @@ Generated from this folder's logs by `python3 tools/records.py table`:
 """
 
 
-def freeze(name, date, target, records_dir, root=REPO):
+def freeze(name, date, target, records_dir, root=REPO, from_logs=None):
+    """records/<date>_<name>/ with the frozen trainer: the working tree's, or the code that produced
+    from_logs (which must agree)."""
+    try:
+        if datetime.date.fromisoformat(date).isoformat() != date:
+            raise ValueError
+    except ValueError:
+        raise RecordError(f"--date {date}: not a date (YYYY-MM-DD)") from None
+    if not (math.isfinite(target) and target > 0):
+        raise RecordError(f"--target {target}: a val loss is a finite number above 0")
     folder = f"{date}_{name}"
     if not RECORD_FOLDER.fullmatch(folder):
         raise RecordError(f"{folder}: not a record folder name (YYYY-MM-DD_name, letters, digits, _ . -)")
     path = os.path.join(records_dir, folder)
     if os.path.exists(path):
         raise RecordError(f"{path}: already exists; a record is frozen once")
+    if from_logs:
+        body = log_code(from_logs)
+        text = single_file_trainer(folder, read=lambda p: body if p == "train_gpt.cu" else "")
+    else:
+        text = single_file_trainer(folder, read=tree_files(root))
     os.makedirs(path)
-    write_text(os.path.join(path, "train_gpt.cu"), single_file_trainer(root))
+    write_text(os.path.join(path, "train_gpt.cu"), text)
     write_text(os.path.join(path, "README.md"), record_readme(folder, target))
     return path
 
@@ -546,10 +790,24 @@ def has_logs(folder):
     return any(n.endswith(".txt") for n in os.listdir(folder))
 
 
+def record_runs(folder):
+    """The finished runs of a record's folder, refused unless each log carries the record's own code."""
+    with open(os.path.join(folder, "train_gpt.cu"), encoding="utf-8") as f:
+        body = body_of_frozen(f.read())
+    if body is None:
+        raise RecordError(f"{folder}/train_gpt.cu: not a frozen trainer (no SPEEDRUN_FROZEN_RECORD line)")
+    for path in log_files([folder]):
+        if code_of(parse_log(path)) != body:
+            raise RecordError(f"{path}: was not built from {folder}/train_gpt.cu (the source it carries differs): "
+                              "a record's logs are runs of its frozen file")
+    return finished_runs([folder])
+
+
 def record_results(folder):
     if not has_logs(folder):
         return NO_RUNS
-    return stats_report(finished_runs([folder]), record_target(folder))
+    runs = record_runs(folder)
+    return stats_report(runs, record_target(folder), notes=comparability_notes(runs))
 
 
 def records_table(records_dir):
@@ -558,7 +816,7 @@ def records_table(records_dir):
         folder = os.path.join(records_dir, name)
         target = record_target(folder)
         no_runs = ["0"] + ["n/a"] * (len(set_header(target)) - 1)
-        stats = set_row(finished_runs([folder]), target) if has_logs(folder) else no_runs
+        stats = set_row(record_runs(folder), target) if has_logs(folder) else no_runs
         rows.append([f"[{name}](records/{name}/)", str(target)] + stats)
     if not rows:
         return "No records yet: the first comes with the trainer's first runs (see `records/README.md`).\n"
@@ -598,6 +856,8 @@ def main(argv=None):
     p.add_argument("name")
     p.add_argument("--date", default=datetime.date.today().isoformat())
     p.add_argument("--target", type=float, default=FINEWEB_TARGET, help="val loss the runs must beat")
+    p.add_argument("--from-log", nargs="+", metavar="LOG",
+                   help="freeze the code these runs' logs carry (all the same) instead of the working tree's")
     p.add_argument("--records-dir", default=os.path.join(REPO, "records"))
     p = sub.add_parser("inline", help="write the single-file trainer to OUTPUT")
     p.add_argument("output")
@@ -605,15 +865,20 @@ def main(argv=None):
     p.add_argument("logs", nargs="+", metavar="LOG|DIR")
     p.add_argument("--against", nargs="+", metavar="LOG|DIR",
                    help="a second set: Welch's t-tests of it against the first")
-    p.add_argument("--target", type=float, default=FINEWEB_TARGET, help="val loss of the one-sided test")
+    p.add_argument("--target", type=float,
+                   help=f"val loss of the one-sided test (default: FineWeb's {FINEWEB_TARGET}, for runs on FineWeb)")
     p.add_argument("--png", metavar="FILE", help="plot the final val losses against the target (matplotlib)")
     p = sub.add_parser("compare", help="step-aligned validation of our runs against a record's run, and a plot")
     p.add_argument("ours", nargs="+", metavar="OURS", help="our run logs")
     p.add_argument("record", metavar="RECORD", help="the record's run log")
     p.add_argument("--png", metavar="FILE", help="plot the val losses and their differences (matplotlib)")
+    p.add_argument("--label", nargs="+", metavar="LABEL", help="a name for each of our runs, in their order")
+    p.add_argument("--target", type=float, help="val loss drawn on the close-up of the last third")
     p = sub.add_parser("table", help="regenerate the record tables of README.md and records/*/README.md")
     p.add_argument("--check", action="store_true", help="change nothing; fail if a table is out of date")
     args = parser.parse_args(argv)
+    if getattr(args, "png", None) and not args.png.lower().endswith(".png"):
+        parser.error(f"--png {args.png}: writes a PNG image; name a file ending in .png")
     try:
         return run_command(args)
     except (RecordError, OSError) as e:
@@ -623,28 +888,34 @@ def main(argv=None):
 
 def run_command(args):
     if args.command == "freeze":
-        path = freeze(args.name, args.date, args.target, args.records_dir)
+        path = freeze(args.name, args.date, args.target, args.records_dir, from_logs=args.from_log)
         print(f"{path}: frozen. Next: fill in its README, build and run it, copy every run's log there, "
               "then `python3 tools/records.py table`.")
     elif args.command == "inline":
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        write_text(args.output, single_file_trainer())
+        write_text(args.output, single_file_trainer("the working tree (records.py inline, not a record)"))
     elif args.command == "stats":
         runs = finished_runs(args.logs)
         against = finished_runs(args.against) if args.against else None
         refuse_duplicates(runs + (against or []))
+        target, notes = (args.target, []) if args.target is not None else default_target(runs + (against or []))
+        notes += comparability_notes(runs) + (comparability_notes(against) if against else [])
+        notes += [f"A and B differ in {d}" for d in setting_differences(runs[:1] + against[:1])] if against else []
         sets = [(f"A: {set_label(args.logs)}", runs), (f"B: {set_label(args.against)}", against)] if against \
             else [(set_label(args.logs), runs)]
-        figure = stats_figure(sets, args.target) if args.png else None  # before any output: may lack matplotlib
-        print(stats_report(runs, args.target, against), end="")
+        figure = stats_figure(sets, target, notes) if args.png else None  # before any output: may lack matplotlib
+        print(stats_report(runs, target, against, notes), end="")
         if figure:
             figure.savefig(args.png)
             print(f"\n{args.png}: the final val loss of each run, the mean and its upper confidence bound, "
                   "against the target")
     elif args.command == "compare":
         runs, record = [parse_log(path) for path in args.ours], parse_log(args.record)
-        figure = comparison_figure(runs, record) if args.png else None  # before any output: may lack matplotlib
-        print("\n".join(comparison_table(run, record) for run in runs), end="")
+        if args.label and len(args.label) != len(runs):
+            raise RecordError(f"--label names {len(args.label)} runs, but {len(runs)} are compared: one label each")
+        labels = args.label or [None] * len(runs)
+        figure = comparison_figure(runs, record, args.label, args.target) if args.png else None  # may lack matplotlib
+        print("\n".join(comparison_table(run, record, label) for run, label in zip(runs, labels)), end="")
         if figure:
             figure.savefig(args.png)
             print(f"\n{args.png}: val loss against step and train time, and ours minus the record's")

@@ -144,6 +144,10 @@ cudaError_t cudaGetDeviceCount(int* count) {
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   if (device != 0) return cudaErrorInvalidDevice;
   *prop = cudaDeviceProp{};

@@ -13,7 +13,7 @@
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
 #include "kernels/check_arrays.cuh"
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/rekls.cuh"

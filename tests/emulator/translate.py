@@ -38,8 +38,8 @@ STATIC_SHARED = re.compile(r"^(\s*)__shared__\s+(?:__align__\(\s*(\d+)\s*\)\s+)?
 DECLARATOR = re.compile(r"\s*(\w+)\s*((?:\[[^\]]*\])*)\s*$")
 TEMPLATE_KERNEL = re.compile(r"template\s*<[^;{]*?>\s*__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(")
 POINTER_CAST = re.compile(r"reinterpret_cast<\s*([^<>;()]*?\*)\s*>\s*\(")
-SOURCES = ["train_gpt.cu", "kernels/*", "data/*.h", "tests/*.h", "tests/gpu/*", "tests/reference/*",
-           "tests/emulator/test_*.cu"]
+SOURCES = ["train_gpt.cu", "kernels/*", "kernels/host/*", "data/*.h", "tests/*.h", "tests/gpu/*",
+           "tests/reference/*", "tests/emulator/test_*.cu"]
 TEST_FOLDERS = ("tests/gpu", "tests/emulator")
 
 

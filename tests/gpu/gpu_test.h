@@ -3,7 +3,7 @@
 #pragma once
 #include "check.h"
 #include "kernels/check_arrays.cuh"
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <cmath>

@@ -11,6 +11,7 @@
 // (within test_distributed's bound; the flipped sign caught), groups fed the same batches bitwise
 // equal, and the trainer's fragments the reference's.
 #include "gpu/model_fixture.h"
+#include "injected_faults.h"
 #include "reference/diloco.h"
 
 #include <unistd.h>

@@ -12,6 +12,7 @@
 // (Optimizers::gradients_done), so the oracle covers that schedule too, including ranks that have
 // no micro-sequence (W > M). The bounds and margins measured are in docs/PERF.md.
 #include "gpu/model_fixture.h"
+#include "injected_faults.h"
 
 #include <unistd.h>
 

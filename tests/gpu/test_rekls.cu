@@ -17,6 +17,7 @@
 // one step: the larger factor then has a null space (rank min(m, n)) whose eigenvalues later steps
 // fill at the factor's fp32 resolution, eigenvectors that no two solvers share (3e-3 at 4 steps).
 #include "gpu/gpu_test.h"
+#include "injected_faults.h"
 #include "kernels/rekls.cuh"
 #include "reference/rekls.h"
 

@@ -1,9 +1,10 @@
 // The start-up self-check (kernels/self_check.cuh, train_gpt.cu's self_check_paths): with no
-// fault every fast path passes; a wrong result in one fast path (kernels/faults.h) fails exactly
+// fault every fast path passes; a wrong result in one fast path (kernels/host/faults.h) fails exactly
 // that path's checks, `fallback` replaces exactly that path by the reference its flag selects, and
 // `strict` stops with SelfCheckFailed (exit status 6) naming it; the trainer's step on every
 // reference path trains as the fast paths do. On a GPU the record-shaped self-check runs too.
 #include "gpu/model_fixture.h"
+#include "injected_faults.h"
 
 namespace {
 

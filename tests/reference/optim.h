@@ -3,7 +3,7 @@
 // shard. Parameters and states are `Real` (float: the fp32 path; double: fp64); the arithmetic is
 // double. Gradients arrive already normalised (summed, then divided by the global count once).
 #pragma once
-#include "kernels/schedules.h"
+#include "kernels/host/schedules.h"
 #include "reference/model.h"
 
 #include <cmath>

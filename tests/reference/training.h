@@ -3,10 +3,10 @@
 // describes (reduce-scatter with SUM into DistAdam dim-0 slices and owner-per-chunk Muon,
 // all-gather back). The oracle (tests/test_oracle.cpp) proves the second equals the first.
 #pragma once
-#include "kernels/comm.h"
-#include "kernels/faults.h"
-#include "kernels/schedules.h"
-#include "kernels/sharding.h"
+#include "kernels/host/comm.h"
+#include "kernels/host/faults.h"
+#include "kernels/host/schedules.h"
+#include "kernels/host/sharding.h"
 #include "reference/optim.h"
 
 #include <map>

@@ -3,7 +3,7 @@
 // a Chrome trace (chrome://tracing or ui.perfetto.dev). Off unless asked for: a span with no
 // timeline records nothing.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 
 #include <cuda_profiler_api.h>
 

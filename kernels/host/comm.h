@@ -3,7 +3,7 @@
 // collectives rendezvous and reduce in a fixed rank order, so results are bitwise deterministic.
 // Gradients are only ever SUM-reduced (SPEC 4.2): there is no AVG anywhere.
 #pragma once
-#include "kernels/faults.h"
+#include "kernels/host/faults.h"
 
 #include <algorithm>
 #include <condition_variable>

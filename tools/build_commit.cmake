@@ -1,0 +1,22 @@
+# Writes OUTPUT: a C++ include that defines kBuildCommit, where the trainer is built from for its
+# run log: "commit <hash>", with ", tree dirty" where tracked files differ from it, or "not from a
+# git checkout". Runs at every build; OUTPUT is rewritten only when its text changes, so a build at
+# the same commit recompiles nothing.
+# Usage: cmake -DSOURCE_DIR=<repo> -DOUTPUT=<file> -P build_commit.cmake
+find_package(Git QUIET)
+set(origin "not from a git checkout")
+if(GIT_FOUND)
+  execute_process(COMMAND ${GIT_EXECUTABLE} -C ${SOURCE_DIR} rev-parse HEAD RESULT_VARIABLE failed
+                  OUTPUT_VARIABLE commit OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  if(NOT failed)
+    execute_process(COMMAND ${GIT_EXECUTABLE} -C ${SOURCE_DIR} status --porcelain --untracked-files=no
+                    OUTPUT_VARIABLE changes ERROR_QUIET)
+    set(origin "commit ${commit}")
+    if(changes)
+      string(APPEND origin ", tree dirty")
+    endif()
+  endif()
+endif()
+file(WRITE ${OUTPUT}.tmp "static const char kBuildCommit[] = \"${origin}\";\n")
+file(COPY_FILE ${OUTPUT}.tmp ${OUTPUT} ONLY_IF_DIFFERENT)
+file(REMOVE ${OUTPUT}.tmp)
