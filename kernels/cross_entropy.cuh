@@ -1,10 +1,10 @@
 // Softcapped cross-entropy over the padded vocabulary (SPEC 1.2.7), forward and backward fused:
 // z = cap * sigmoid(logit / divisor), loss_t = logsumexp(z_t) - z_t[target]. One block per token;
-// its row of bf16 logits is read once into shared memory, and the gradient of the SUMMED loss
-// (times grad_scale) overwrites the logits in place or goes straight to the FP8 head's e5m2
-// operand: no probability tensor is ever stored.
+// its row of bf16 logits is read once, its sigmoids kept in shared memory, and the gradient of the
+// SUMMED loss (times grad_scale) overwrites the logits in place or goes straight to the FP8 head's
+// e5m2 operand: no probability tensor is ever stored.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <cmath>
@@ -25,6 +25,7 @@ struct Softcap {
 };
 
 constexpr int kCrossEntropyThreads = 1024;
+constexpr size_t kCrossEntropyMaxSharedBytes = 227 << 10;  // a Hopper block's opt-in shared memory
 
 // Where the loss gradient goes, 8 elements at a time (`element` indexes [T, V]): by default in
 // place over the bf16 logits; the FP8 head (fp8_head.cuh) stores its e5m2 operand instead.
@@ -33,41 +34,52 @@ struct Bf16GradientInPlace {
   __device__ void operator()(size_t element, const float g[8]) const { store8(logits + element, g); }
 };
 
+// The row's sigmoids in shared memory: fp32, as the first pass computes them, so that the second
+// pass evaluates one exponential a logit instead of three special-function operations (the kernel
+// is bound by the MUFU pipe: docs/PERF.md, 86% busy with six). Element 8i + j of the row is float
+// j of float4 i for j < 4, float j - 4 of float4 V/8 + i otherwise: a warp's two float4 stores are
+// each 512 contiguous bytes, free of bank conflicts.
+__device__ inline float row_sigmoid(const float4* sig, int vectors, int element) {
+  const int i = element / 8, j = element % 8;
+  return reinterpret_cast<const float*>(sig + (j < 4 ? i : vectors + i))[j % 4];
+}
+
 // logits [T, V] bf16, targets [T], losses [T] fp32; the gradient (when grad_scale != 0) to `store`.
 // z <= cap, so exp(z - cap) never overflows and logsumexp needs no running maximum.
 template <class GradientStore>
 __global__ void __launch_bounds__(kCrossEntropyThreads)
 softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float* losses, int V, Softcap sc,
                              float grad_scale, GradientStore store) {
-  extern __shared__ Bf16x8 row_smem[];  // [V / 8]
+  extern __shared__ float4 sig_smem[];  // [V / 4]: the row's sigmoids (row_sigmoid)
   const int t = blockIdx.x, vectors = V / 8;
   const float inv_divisor = sc.inv_divisor;
   const bf16* row = logits + size_t(t) * V;
   float sum = 0;
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
     Bf16x8 x = reinterpret_cast<const Bf16x8*>(row)[i];
-    row_smem[i] = x;
+    float sig[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float sig = __fdividef(1.0f, 1.0f + __expf(-__bfloat162float(x.v[j]) * inv_divisor));
-      sum += __expf(sc.cap * sig - sc.cap);
+      sig[j] = __fdividef(1.0f, 1.0f + __expf(-__bfloat162float(x.v[j]) * inv_divisor));
+      sum += __expf(sc.cap * sig[j] - sc.cap);
     }
+    sig_smem[i] = make_float4(sig[0], sig[1], sig[2], sig[3]);
+    sig_smem[vectors + i] = make_float4(sig[4], sig[5], sig[6], sig[7]);
   }
-  sum = block_sum(sum);
-  int target = targets[t];
-  float z_target =
-      __fdividef(sc.cap, 1.0f + __expf(-__bfloat162float(reinterpret_cast<const bf16*>(row_smem)[target]) * inv_divisor));
-  if (threadIdx.x == 0) losses[t] = sc.cap + logf(sum) - z_target;
+  sum = block_sum(sum);  // its barriers also publish sig_smem
+  const int target = targets[t];
+  if (threadIdx.x == 0) losses[t] = sc.cap + logf(sum) - sc.cap * row_sigmoid(sig_smem, vectors, target);
   if (grad_scale == 0.0f) return;
   float inv_sum = 1.0f / sum;
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
+    const float4 low = sig_smem[i], high = sig_smem[vectors + i];
+    const float sig[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
     float g[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float sig = __fdividef(1.0f, 1.0f + __expf(-__bfloat162float(row_smem[i].v[j]) * inv_divisor));
-      float p = __expf(sc.cap * sig - sc.cap) * inv_sum;
+      float p = __expf(sc.cap * sig[j] - sc.cap) * inv_sum;
       float dz = p - (i * 8 + j == target ? 1.0f : 0.0f);
-      g[j] = dz * (grad_scale * sc.cap * inv_divisor) * sig * (1.0f - sig);
+      g[j] = dz * (grad_scale * sc.cap * inv_divisor) * sig[j] * (1.0f - sig[j]);
     }
     store(size_t(t) * V + i * 8, g);
   }
@@ -79,7 +91,11 @@ template <class GradientStore>
 void softcap_cross_entropy(const bf16* logits, const uint16_t* targets, float* losses, int T, int V, float grad_scale,
                            GradientStore store, cudaStream_t stream, Softcap sc) {
   if (V % 8) throw std::invalid_argument("cross entropy: vocab " + std::to_string(V) + " is not a multiple of 8");
-  size_t smem = size_t(V) * sizeof(bf16);
+  const size_t smem = size_t(V) * sizeof(float);
+  if (smem > kCrossEntropyMaxSharedBytes)
+    throw std::invalid_argument("cross entropy: a row of vocab " + std::to_string(V) + " needs " +
+                                std::to_string(smem) + " bytes of shared memory for its fp32 sigmoids, more than " +
+                                std::to_string(kCrossEntropyMaxSharedBytes) + " (Hopper's 227 KiB a block)");
   CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel<GradientStore>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   softcap_cross_entropy_kernel<GradientStore>

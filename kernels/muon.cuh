@@ -4,7 +4,7 @@
 // cuBLASLt's strided batches, and the update scaled by max(1, rows/cols)^0.5. A wide matrix is
 // iterated as it is, a tall one as its transpose (the small Gram matrix X X^T).
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/matmul.cuh"
 
@@ -104,13 +104,16 @@ inline void newton_schulz5(MuonWorkspace& ws, int batch, int r, int k, Matmul& m
     o.batch = {batch, stride_a, stride_b, stride_c};
     return o;
   };
-  const MatmulOptions gram = batched(n, n, rr), square = batched(rr, rr, rr), apply = batched(rr, n, n);
+  // The b A and a X terms are cuBLASLt's addend C, read from where A and X are (C != D): no copy of
+  // A or X is made.
+  const MatmulOptions gram = batched(n, n, rr);
   for (int step = 0; step < kNewtonSchulzSteps; ++step) {
     matmul(ws.x_, Transpose::N, ws.x_, Transpose::T, ws.a_, r, r, k, CUDA_R_16BF, gram, stream);  // A = X X^T
-    CUDA_CHECK(cudaMemcpyAsync(ws.b_, ws.a_, batch * rr * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+    MatmulOptions square = batched(rr, rr, rr), apply = batched(rr, n, n);
+    square.addend = ws.a_;
+    apply.addend = ws.x_;
     matmul(ws.a_, Transpose::N, ws.a_, Transpose::N, ws.b_, r, r, r, CUDA_R_16BF, square, stream, kNewtonSchulzC,
            kNewtonSchulzB);  // B = c A A + b A
-    CUDA_CHECK(cudaMemcpyAsync(ws.next_, ws.x_, batch * n * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
     matmul(ws.b_, Transpose::N, ws.x_, Transpose::N, ws.next_, r, k, r, CUDA_R_16BF, apply, stream, 1.0f,
            kNewtonSchulzA);  // X' = B X + a X
     std::swap(ws.x_, ws.next_);
