@@ -81,6 +81,24 @@ __device__ inline void store8(bf16* p, const float in[8]) {
   *reinterpret_cast<Bf16x8*>(p) = x;
 }
 
+// Four bf16 in one 8-byte load/store (p 8-byte aligned).
+struct alignas(8) Bf16x4 {
+  bf16 v[4];
+};
+
+__device__ inline void load4(const bf16* p, float out[4]) {
+  Bf16x4 x = *reinterpret_cast<const Bf16x4*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = __bfloat162float(x.v[i]);
+}
+
+__device__ inline void store4(bf16* p, const float in[4]) {
+  Bf16x4 x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x.v[i] = __float2bfloat16(in[i]);
+  *reinterpret_cast<Bf16x4*>(p) = x;
+}
+
 // 256-thread blocks over `items`, grid-stride past 16 blocks per SM (132 SMs on an H100); at least
 // one block, so that an empty launch is not an invalid configuration.
 inline int elementwise_grid(size_t items) {

@@ -1,7 +1,9 @@
 // QK-norm fused with half-truncated RoPE (SPEC 1.3), forward and backward, head_dim 128.
-// One warp per (token, head, q or k): lane l holds elements [4l, 4l + 4); rotation pairs j with
-// j + 64, which sit in lanes l and l ^ 16. Angles are the reference's fp32 t * freq; the norm and
-// rotation run in fp32 without an intermediate bf16 rounding.
+// One warp per (token, head, q or k): lane l holds elements [4l, 4l + 4), read and written as one
+// 8-byte vector, with their 4 (cos, sin) pairs as two 16-byte loads (the kernels are memory-bound:
+// scalar accesses made them LSU-bound, docs/PERF.md); rotation pairs j with j + 64, which sit in
+// lanes l and l ^ 16. Angles are the reference's fp32 t * freq; the norm and rotation run in fp32
+// without an intermediate bf16 rounding.
 #pragma once
 #include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
@@ -32,10 +34,11 @@ __device__ inline void rope_rotate(float v[4], const float* cos_sin_t, int lane,
 #pragma unroll
   for (int i = 0; i < 4; ++i) other[i] = __shfl_xor_sync(0xffffffffu, v[i], 16);
   bool first_half = lane < 16;
+  float angles[8];  // (cos, sin) of pairs (lane % 16) * 4 + i
+  load8(cos_sin_t + (lane % 16) * 8, angles);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    int j = (lane % 16) * 4 + i;
-    float c = cos_sin_t[2 * j], s = cos_sin_t[2 * j + 1];
+    float c = angles[2 * i], s = angles[2 * i + 1];
     if (inverse) s = -s;
     // y1 = x1 c + x2 s ; y2 = -x1 s + x2 c
     v[i] = first_half ? v[i] * c + other[i] * s : -other[i] * s + v[i] * c;
@@ -50,15 +53,14 @@ __global__ void qk_norm_rope_forward_kernel(const bf16* qkv, const float* cos_si
   int which = warp % 2, th = warp / 2, t = th / H, h = th % H;
   const bf16* src = qkv + (size_t(t) * 3 + which) * H * kRopeHeadDim + h * kRopeHeadDim + lane * 4;
   float v[4], ss = 0;
+  load4(src, v);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) ss += (v[i] = __bfloat162float(src[i])) * v[i];
+  for (int i = 0; i < 4; ++i) ss += v[i] * v[i];
   float inv = rsqrtf(warp_sum(ss) / kRopeHeadDim + eps);
 #pragma unroll
   for (int i = 0; i < 4; ++i) v[i] *= inv;
   rope_rotate(v, cos_sin + size_t(t) * kRopeHeadDim, lane, false);
-  bf16* dst = (which == 0 ? q : k) + size_t(th) * kRopeHeadDim + lane * 4;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) dst[i] = __float2bfloat16(v[i]);
+  store4((which == 0 ? q : k) + size_t(th) * kRopeHeadDim + lane * 4, v);
 }
 
 // dq, dk [T, H, 128] -> the q and k parts of dqkv [T, 3, H, 128] (the v part is left untouched).
@@ -70,17 +72,16 @@ __global__ void qk_norm_rope_backward_kernel(const bf16* qkv, const bf16* dq, co
   size_t raw_at = (size_t(t) * 3 + which) * H * kRopeHeadDim + h * kRopeHeadDim + lane * 4;
   const bf16* grad = (which == 0 ? dq : dk) + size_t(th) * kRopeHeadDim + lane * 4;
   float x[4], g[4], ss = 0, dot = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    x[i] = __bfloat162float(qkv[raw_at + i]);
-    g[i] = __bfloat162float(grad[i]);
-  }
+  load4(qkv + raw_at, x);
+  load4(grad, g);
   rope_rotate(g, cos_sin + size_t(t) * kRopeHeadDim, lane, true);
 #pragma unroll
   for (int i = 0; i < 4; ++i) ss += x[i] * x[i], dot += x[i] * g[i];
   float inv = rsqrtf(warp_sum(ss) / kRopeHeadDim + eps), mean_dot = warp_sum(dot) / kRopeHeadDim;
+  float d[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) dqkv[raw_at + i] = __float2bfloat16(inv * g[i] - inv * inv * inv * x[i] * mean_dot);
+  for (int i = 0; i < 4; ++i) d[i] = inv * g[i] - inv * inv * inv * x[i] * mean_dot;
+  store4(dqkv + raw_at, d);
 }
 
 inline void qk_norm_rope_forward(const bf16* qkv, const float* cos_sin, bf16* q, bf16* k, int T, int H,

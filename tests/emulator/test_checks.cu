@@ -1,7 +1,7 @@
 // The CUDA emulator's own checks, where a GPU faults, fails or hands out garbage (no GPU
 // counterpart: there these kernels fail or read garbage):
 // - a vector access through kernels/device_utils.cuh's helpers (load8 of bf16 and of fp32,
-//   store8) or a cp.async at an address that is not a multiple of its size stops the program with
+//   store8, load4 and store4 of bf16) or a cp.async at an address that is not a multiple of its size stops the program with
 //   "misaligned address" and what was accessed; at an aligned address it runs;
 // - static __shared__ variables hold poison as each block starts, and together with the dynamic
 //   shared memory they must fit the GPU's limits;
@@ -44,6 +44,17 @@ __global__ void load8_fp32_kernel(const float* in, float* out) {
 __global__ void store8_kernel(bf16* out) {
   const float v[8] = {1, 2, 3, 4, 5, 6, 7, 8};
   store8(out, v);
+}
+
+__global__ void load4_kernel(const bf16* in, float* out) {
+  float v[4];
+  load4(in, v);
+  for (int i = 0; i < 4; ++i) out[i] = v[i];
+}
+
+__global__ void store4_kernel(bf16* out) {
+  const float v[4] = {1, 2, 3, 4};
+  store4(out, v);
 }
 
 __global__ void cp_async_kernel(const bf16* in, float* out) {
@@ -144,6 +155,14 @@ TEST_CASE("store8 of bf16 (one 16-byte store) 2 bytes off stops: misaligned addr
   Buffers b;
   check_refused("misaligned address: Bf16x8*", [&](size_t offset) { store8_kernel<<<1, 1>>>(b.at<bf16>(offset)); },
                   2, 48);
+}
+
+TEST_CASE("load4 and store4 of bf16 (one 8-byte access) 2 bytes off stop: misaligned address") {
+  Buffers b;
+  check_refused("misaligned address: const Bf16x4*",
+                  [&](size_t offset) { load4_kernel<<<1, 1>>>(b.at<bf16>(offset), b.out); }, 2, 8);
+  check_refused("misaligned address: Bf16x4*", [&](size_t offset) { store4_kernel<<<1, 1>>>(b.at<bf16>(offset)); },
+                  6, 16);
 }
 
 TEST_CASE("cp.async from a global address 8 bytes off stops: misaligned address") {
