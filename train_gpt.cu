@@ -2008,8 +2008,15 @@ inline DataShards check_data(const Hyperparameters& h) {
     }
   val.windows_available();
   DataShards shards;
-  for (const auto& [flag, plan] : {std::pair{"train-files", &train}, std::pair{"val-files", &val}})
-    for (ShardSummary& s : plan->scan_all_tokens()) shards.emplace_back(flag, std::move(s));
+  // the training run reads the shards its steps need, the validation its first window's
+  for (const auto& [flag, plan, read] : {std::tuple{"train-files", &train, train.files_read(needed)},
+                                         std::tuple{"val-files", &val, val.files_read(1)}}) {
+    std::vector<ShardSummary> scanned = plan->scan_all_tokens();
+    for (size_t i = 0; i < scanned.size(); ++i) {
+      scanned[i].read = i < read;
+      shards.emplace_back(flag, std::move(scanned[i]));
+    }
+  }
   return shards;
 }
 
@@ -2032,7 +2039,8 @@ inline std::string command_line(int argc, char** argv) {
 }
 
 // What made the run, in its log's head: the command, where the binary comes from, the ranks, every
-// flag's value (defaults included, exact) and every shard read with its size and token hash.
+// flag's value (defaults included, exact) and every shard with its size and, where the run reads
+// it, its token hash (runs that read the same tokens pool, however many shards their globs match).
 // tools/records.py reads these lines back and refuses to pool runs whose settings or data differ.
 inline std::string run_settings_report(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& command,
                                        const DataShards& shards) {
@@ -2046,7 +2054,9 @@ inline std::string run_settings_report(const Hyperparameters& h, const ProcessGr
   for (const auto& [flag, s] : shards) {
     char hash[17];
     std::snprintf(hash, sizeof hash, "%016" PRIx64, s.token_hash);
-    out << "shard: " << flag << " " << s.path << " " << s.bytes << " bytes, token hash " << hash << "\n";
+    out << "shard: " << flag << " " << s.path << " " << s.bytes << " bytes, "
+        << (s.read ? "token hash " + std::string(hash) : std::string("checked, not read (the run ends before it)"))
+        << "\n";
   }
   return out.str();
 }

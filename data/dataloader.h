@@ -141,11 +141,13 @@ class TokenHash {
   int64_t count_ = 0;
 };
 
-// What a run read from one shard: its path, size in bytes and the hash of its tokens.
+// What a run found in one shard: its path, size in bytes, the hash of its tokens, and whether the
+// run reads it (a glob may match more shards than a run needs: they are checked, not read).
 struct ShardSummary {
   std::string path;
   int64_t bytes = 0;
   uint64_t token_hash = 0;
+  bool read = true;
 };
 
 // Checks a shard as read_shard does without keeping its tokens, and hashes them: read in chunks of
@@ -198,14 +200,16 @@ class BatchPlan {
   // The windows all the files give, from their headers alone (no token is read): a run longer than
   // this would stop when the data runs out. A file too small for one window is an error here too.
   int64_t windows_available() const {
-    const int64_t batch = micro_len_ * micro_count_;
     int64_t windows = 0;
-    for (const std::string& path : files_) {
-      const int64_t n = shard_token_count(path);
-      check_shard_fits_batch(path, n, batch);
-      windows += (n - 2 - batch) / batch + 1;  // windows at pos = k batch while pos + batch + 1 < n
-    }
+    for (const std::string& path : files_) windows += windows_of(path);
     return windows;
+  }
+
+  // How many of the files, in order, a run of `steps` windows reads (all of them if they hold fewer).
+  size_t files_read(int64_t steps) const {
+    size_t files = 0;
+    for (int64_t windows = 0; files < files_.size() && windows < steps; ++files) windows += windows_of(files_[files]);
+    return std::max<size_t>(files, 1);
   }
 
   // Every token of every file read and checked (header, size, ids below the vocabulary), none
@@ -231,6 +235,12 @@ class BatchPlan {
     tokens_ = read_shard(path, vocab_size_);
     pos_ = 0;
     check_shard_fits_batch(path, int64_t(tokens_.size()), batch);
+  }
+
+  int64_t windows_of(const std::string& path) const {
+    const int64_t batch = micro_len_ * micro_count_, n = shard_token_count(path);
+    check_shard_fits_batch(path, n, batch);
+    return (n - 2 - batch) / batch + 1;  // windows at pos = k batch while pos + batch + 1 < n
   }
 
   void check_shard_fits_batch(const std::string& path, int64_t tokens, int64_t batch) const {

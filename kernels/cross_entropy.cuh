@@ -68,7 +68,8 @@ softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float*
   }
   sum = block_sum(sum);  // its barriers also publish sig_smem
   const int target = targets[t];
-  if (threadIdx.x == 0) losses[t] = sc.cap + logf(sum) - sc.cap * row_sigmoid(sig_smem, vectors, target);
+  // z_target = cap * sig, rounded on its own (no FMA with the sum), as __fdividef(cap, ...) was before
+  if (threadIdx.x == 0) losses[t] = sc.cap + logf(sum) - __fmul_rn(sc.cap, row_sigmoid(sig_smem, vectors, target));
   if (grad_scale == 0.0f) return;
   float inv_sum = 1.0f / sum;
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
@@ -92,10 +93,11 @@ void softcap_cross_entropy(const bf16* logits, const uint16_t* targets, float* l
                            GradientStore store, cudaStream_t stream, Softcap sc) {
   if (V % 8) throw std::invalid_argument("cross entropy: vocab " + std::to_string(V) + " is not a multiple of 8");
   const size_t smem = size_t(V) * sizeof(float);
-  if (smem > kCrossEntropyMaxSharedBytes)
+  if (smem + kBlockSumSharedBytes > kCrossEntropyMaxSharedBytes)
     throw std::invalid_argument("cross entropy: a row of vocab " + std::to_string(V) + " needs " +
                                 std::to_string(smem) + " bytes of shared memory for its fp32 sigmoids, more than " +
-                                std::to_string(kCrossEntropyMaxSharedBytes) + " (Hopper's 227 KiB a block)");
+                                std::to_string(kCrossEntropyMaxSharedBytes - kBlockSumSharedBytes) +
+                                " (Hopper's 227 KiB a block, less block_sum's)");
   CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel<GradientStore>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   softcap_cross_entropy_kernel<GradientStore>

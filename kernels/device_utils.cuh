@@ -25,6 +25,7 @@ __device__ inline float warp_max(float v) {
 }
 
 // Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+constexpr size_t kBlockSumSharedBytes = 33 * sizeof(float);  // block_sum's static shared memory
 __device__ inline float block_sum(float v) {
   __shared__ float partial[32];
   __shared__ float total;

@@ -123,7 +123,11 @@ TEST_CASE("batch plan equals the reference generator over shards, with rollover 
 TEST_CASE("windows available from the headers: every shard checked, none read") {
   write_shard("count_0.bin", counting_tokens(4 * 8 + 2, 0));  // one window
   write_shard("count_1.bin", counting_tokens(3 * 32 + 2, 0));  // three
-  CHECK(BatchPlan(temp_dir() + "/count_*.bin", 8, 4, kTokenizerVocab).windows_available() == 4);
+  const BatchPlan counted(temp_dir() + "/count_*.bin", 8, 4, kTokenizerVocab);
+  CHECK(counted.windows_available() == 4);
+  // the files a run of so many steps reads, in order: the first holds one window, the second three
+  CHECK(counted.files_read(1) == 1 && counted.files_read(2) == 2 && counted.files_read(4) == 2);
+  CHECK(counted.files_read(9) == 2 && counted.files_read(0) == 1);
   write_shard("count_2.bin", counting_tokens(20, 0), kShardMagic, kShardVersion, 25);  // truncated, never reached
   CHECK_THROWS_WITH(BatchPlan(temp_dir() + "/count_*.bin", 8, 4, kTokenizerVocab).windows_available(), "count_2.bin",
                     "does not match the header's token count 25");

@@ -365,6 +365,33 @@ class Settings(TempDir):
         self.assertEqual(rc, 0)
         self.assertIn("note: A and B differ in --matrix-optimizer: muon in a.txt; rekls in b.txt\n", out)
 
+    def test_against_reads_the_first_run_that_carries_settings_and_notes_other_gpus(self):
+        a = [self.write("a0.txt", step_log(10, 3.05, 950)), self.write("a1.txt", settings_log(3.0, 900))]
+        b = self.write("b.txt", settings_log(3.1, 900, settings={"muon-lr": "0.1"}, gpu="NVIDIA H100 80GB HBM3"))
+        rc, out, _ = self.command("stats", *a, "--against", b, "--target", "3.5")
+        self.assertEqual(rc, 0)
+        self.assertIn("note: A and B differ in --muon-lr: (not recorded) in a1.txt; 0.1 in b.txt\n", out)
+        self.assertIn("note: A ran on (GPU not recorded), NVIDIA H200, B on NVIDIA H100 80GB HBM3: the train times' "
+                      "test compares GPUs too\n", out)
+
+    def test_compare_notes_another_gpu(self):
+        ours = self.write("ours.txt", settings_log(3.0, 900))
+        record = self.write("record.txt", settings_log(3.1, 950, gpu="NVIDIA H100 80GB HBM3"))
+        rc, out, _ = self.command("compare", ours, record)
+        self.assertEqual(rc, 0)
+        self.assertIn("note: ours ran on NVIDIA H200, the record on NVIDIA H100 80GB HBM3: their times are of other "
+                      "GPUs\n", out)
+        self.assertNotIn("differ in", out)
+
+    def test_the_launcher_alone_does_not_part_runs(self):
+        torchrun = settings_log(3.1, 900).replace("launcher none", "launcher torchrun")
+        rc, _, err = self.stats(("a", settings_log(3.0, 900)), ("b", torchrun))
+        self.assertEqual((rc, err), (0, ""))
+        two = settings_log(3.1, 900).replace("world size 1, ranks per node 1", "world size 2, ranks per node 2")
+        rc, _, err = self.stats(("c", settings_log(3.0, 900)), ("d", two))
+        self.assertEqual(rc, 1)
+        self.assertIn("the ranks: world size 1, ranks per node 1 in c.txt; world size 2, ranks per node 2 in d.txt", err)
+
     def test_a_tiny_p_is_not_printed_as_zero(self):
         self.assertEqual(records.p_text(3e-7), "< 1e-4")
         self.assertEqual(records.p_text(0.03456), "0.0346")

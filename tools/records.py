@@ -49,8 +49,7 @@ FALLBACK_LINE = "self-check fallback: "
 SETTING_LINE = re.compile(r"setting: ([a-z0-9-]+)=(.*)")
 SHARD_LINE = re.compile(r"shard: ([a-z-]+) (.+) (\d+) bytes, token hash ([0-9a-f]{16})")
 # Flags that change neither what a run computes nor how fast: runs that differ only in them pool.
-POOLABLE_FLAGS = {"seed", "checkpoint-dir", "log-dir", "resume", "resume-other-settings", "stall-timeout",
-                  "self-check"}
+POOLABLE_FLAGS = {"seed", "checkpoint-dir", "log-dir", "resume", "stall-timeout", "self-check"}
 DATA_FLAGS = {"train-files", "val-files"}  # compared by the shards they matched, not by the globs' text
 
 
@@ -173,8 +172,12 @@ def setting_differences(runs):
         found += differing(f"--{flag}", lambda run: run.settings.get(flag, "(not recorded)"))
     found += differing("the data read (shard sizes and token hashes)",
                        lambda run: " ".join(f"{flag}:{size}:{digest}" for flag, _, size, digest in run.shards))
-    found += differing("the ranks", lambda run: run.header.get("ranks", "(not recorded)"))
+    found += differing("the ranks", lambda run: run.header.get("ranks", "(not recorded)").split(", launcher ")[0])
     return found
+
+
+def gpu_of(run):
+    return run.header.get("gpu", "(GPU not recorded)")
 
 
 def comparability_notes(runs):
@@ -187,7 +190,7 @@ def comparability_notes(runs):
                      "whether these runs share their flags and data is not checked")
     gpus = {}
     for run in runs:
-        gpus.setdefault(run.header.get("gpu", "(GPU not recorded)"), []).append(run)
+        gpus.setdefault(gpu_of(run), []).append(run)
     if len(gpus) > 1:
         notes.append("train times pooled over GPU models: " + ", ".join(
             f"{gpu} ({len(r)} run{'s' if len(r) > 1 else ''})" for gpu, r in gpus.items()))
@@ -402,6 +405,20 @@ def comparison_notes(ours, record):
         notes.append("settings not in both logs: whether the runs share flags and data is not checked")
     else:
         notes += [f"the runs differ in {d}" for d in setting_differences([ours, record])]
+    if gpu_of(ours) != gpu_of(record):
+        notes.append(f"ours ran on {gpu_of(ours)}, the record on {gpu_of(record)}: their times are of other GPUs")
+    return notes
+
+
+def set_differences(a, b):
+    """What two sets of runs differ in: the settings of the first run of each that carries them, and
+    the GPU models (the train times' t-test compares machines as much as code where they differ)."""
+    first = [next((run for run in runs if run.settings), None) for runs in (a, b)]
+    notes = [f"A and B differ in {d}" for d in setting_differences(first)] if None not in first else []
+    gpus = [sorted({gpu_of(run) for run in runs}) for runs in (a, b)]
+    if gpus[0] != gpus[1]:
+        notes.append(f"A ran on {', '.join(gpus[0])}, B on {', '.join(gpus[1])}: the train times' test compares "
+                     "GPUs too")
     return notes
 
 
@@ -900,7 +917,7 @@ def run_command(args):
         refuse_duplicates(runs + (against or []))
         target, notes = (args.target, []) if args.target is not None else default_target(runs + (against or []))
         notes += comparability_notes(runs) + (comparability_notes(against) if against else [])
-        notes += [f"A and B differ in {d}" for d in setting_differences(runs[:1] + against[:1])] if against else []
+        notes += set_differences(runs, against) if against else []
         sets = [(f"A: {set_label(args.logs)}", runs), (f"B: {set_label(args.against)}", against)] if against \
             else [(set_label(args.logs), runs)]
         figure = stats_figure(sets, target, notes) if args.png else None  # before any output: may lack matplotlib

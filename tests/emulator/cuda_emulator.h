@@ -197,6 +197,7 @@ T atomicAdd(T* address, T value) {
 
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 template <typename... Params>  // cuda_runtime.h declares this overload for nvcc only
