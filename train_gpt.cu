@@ -101,7 +101,7 @@ struct Hyperparameters {
   std::string diloco_comm = "fp32";
   bool diloco_host_copies = false;
   // fast paths (kernels/self_check.cuh): each may be replaced by its simple reference
-  std::string attention = "flash";     // flash or reference
+  std::string attention = "flash";     // flash, flash-split or reference
   std::string fp8_gradient = "fused";  // fused or cast
   std::string muon = "batched";        // batched or per-matrix
   std::string residual_add = "fused";  // fused or separate
@@ -236,8 +236,10 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        one_of(&h.diloco_comm, {"fp32", "bf16"}), "fp32 or bf16"},
       {"diloco-host-copies", &h.diloco_host_copies,
        "DiLoCo: the global copies and outer momentum in pinned host memory (read over PCIe at each sync)", nullptr, ""},
-      {"attention", &h.attention, "attention kernels: flash (wgmma) or reference (warp per row; slower)",
-       one_of(&h.attention, {"flash", "reference"}), "flash or reference"},
+      {"attention", &h.attention,
+       "attention kernels: flash (wgmma, one fused backward), flash-split (wgmma, the backward as two kernels) or "
+       "reference (warp per row; slower)",
+       one_of(&h.attention, {"flash", "flash-split", "reference"}), "flash, flash-split or reference"},
       {"fp8-gradient", &h.fp8_gradient,
        "FP8 head's gradient: fused (the cross-entropy writes e5m2) or cast (bf16, then a cast)",
        one_of(&h.fp8_gradient, {"fused", "cast"}), "fused or cast"},
@@ -983,7 +985,7 @@ struct Activations {
   // backward scratch
   bf16 *dx, *dx0, *dh, *dy, *dq, *dk, *dv, *dqkv, *du;  // dqkv [T, 3d], du [T, F]
   std::vector<bf16*> dskip;    // [num_skips]: gradient waiting for the skip's source layer
-  float* delta;                // [H, T]
+  float* attention_scratch;    // attention_backward_scratch_floats(T, H): delta, dq's partial sums
   float* embedding_scratch;    // [EmbeddingBackwardPlan::scratch_rows(T), d]: split tokens' segment sums
   float* reduction_scratch;    // per-block partial sums of the scalar gradients
   float* cos_sin;              // [T, 64, 2] rope table
@@ -1009,12 +1011,13 @@ struct Activations {
       dqkv = m.alloc<bf16>("qkv gradient", 3 * td);
       du = m.alloc<bf16>("mlp gradient", tf);
       for (bf16*& b : dskip) b = m.alloc<bf16>("skip gradient", td);
-      delta = m.alloc<float>("attention delta", size_t(T) * c.num_heads);
+      attention_scratch =
+          m.alloc<float>("attention backward scratch", attention_backward_scratch_floats(T, c.num_heads));
       embedding_scratch = m.alloc<float>("embedding backward segment sums",
                                          EmbeddingBackwardPlan::scratch_rows(T) * c.model_dim);
     }
     if (backward && fp8_head) this->fp8_head = std::make_unique<Fp8Head>(std::min(T, kHeadChunkRows), c.vocab_size, c.model_dim);
-    reduction_scratch = m.alloc<float>("scalar-gradient partial sums", 2 * kScalarReductionBlocks);
+    reduction_scratch = m.alloc<float>("scalar-gradient partial sums", kScalarReductionScratchFloats);
     cos_sin = m.alloc<float>("rope table", size_t(T) * kRopeHeadDim);
     std::vector<float> table;
     rope_table_host(T, table);
@@ -1159,13 +1162,14 @@ class GPT {
       embedding_forward(a.inputs, params.embedding(k), a.value_embedded[k], T_, d, stream_);
     for (int i = 0; i < c_.num_layers; ++i) {
       LayerActivations& l = a.layers[i];
-      if (i >= c_.num_skips()) {  // x_in = previous output + skip weight * the mirrored layer's output
-        int from = c_.num_layers - 1 - i;
-        weighted_sum_forward(a.layers[i - 1].x_out, nullptr, a.layers[from].x_out,
-                             scalar(c_.skip_weight_index(i - c_.num_skips())), l.x_in, T_, d, d, stream_);
-      }
-      weighted_sum_forward(l.x_in, scalar(c_.block_lambda_index(i, 0)), a.x0, scalar(c_.block_lambda_index(i, 1)),
-                           l.x_mixed, T_, d, d, stream_);
+      // x_in = previous output + skip weight * the mirrored layer's output (from the skips on),
+      // x_mixed = lambda0 x_in + lambda1 x0, and its norm: the attention's input, or the MLP's
+      const bool skip = i >= c_.num_skips();
+      const int from = c_.num_layers - 1 - i;
+      mix_norm_forward(skip ? a.layers[i - 1].x_out : nullptr, skip ? a.layers[from].x_out : nullptr,
+                       skip ? scalar(c_.skip_weight_index(i - c_.num_skips())) : nullptr, l.x_in, a.x0,
+                       scalar(c_.block_lambda_index(i, 0)), scalar(c_.block_lambda_index(i, 1)), l.x_mixed,
+                       c_.has_attention[i] ? l.h_attn : l.h_mlp, T_, d, stream_);
       if (c_.has_attention[i]) attention_forward_layer(i, plan);
       mlp_forward_layer(i);
     }
@@ -1175,7 +1179,6 @@ class GPT {
   void attention_forward_layer(int i, const MicroSequencePlan& plan) {
     LayerActivations& l = a_->layers[i];
     const int d = c_.model_dim;
-    rmsnorm_forward(l.x_mixed, l.h_attn, T_, d, stream_);
     linear(l.h_attn, params.weight(ParamKind::qkv, i), l.qkv, 3 * d, d);
     qk_norm_rope_forward(l.qkv, a_->cos_sin, l.q, l.k, T_, c_.num_heads, stream_);
     int table = c_.value_embed[i];
@@ -1190,7 +1193,7 @@ class GPT {
   void mlp_forward_layer(int i) {
     LayerActivations& l = a_->layers[i];
     const int d = c_.model_dim, F = c_.mlp_dim();
-    rmsnorm_forward(l.x_mid, l.h_mlp, T_, d, stream_);
+    if (c_.has_attention[i]) rmsnorm_forward(l.x_mid, l.h_mlp, T_, d, stream_);  // else mix_norm_forward's
     linear(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.u, F, d);
     relu_squared_forward(l.u, l.a, size_t(T_) * F, stream_);
     linear(l.a, params.weight(ParamKind::mlp_proj, i), l.x_out, d, F, /*residual=*/l.x_mid);
@@ -1242,15 +1245,15 @@ class GPT {
       if (i < c_.num_skips()) add_into(a.dskip[i], a.dx, td(), stream_);
       mlp_backward_layer(i);
       if (c_.has_attention[i]) attention_backward_layer(i, plan);
-      // x_mixed = lambda0 x_in + lambda1 x0
-      int l0 = c_.block_lambda_index(i, 0), l1 = c_.block_lambda_index(i, 1);
-      weighted_sum_backward(a.dx, l.x_in, scalar(l0), scalar_grad(l0), a.x0, scalar(l1), scalar_grad(l1), a.dx, a.dx0,
-                            /*accumulate_dy=*/true, T_, d, d, a.reduction_scratch, stream_);
-      if (i >= c_.num_skips()) {  // x_in = previous output + w skip
-        int from = c_.num_layers - 1 - i, w = c_.skip_weight_index(i - c_.num_skips());
-        weighted_sum_backward(a.dx, nullptr, nullptr, nullptr, a.layers[from].x_out, scalar(w), scalar_grad(w), a.dx,
-                              a.dskip[from], /*accumulate_dy=*/false, T_, d, d, a.reduction_scratch, stream_);
-      }
+      // dh holds the gradient of the norm of x_mixed = lambda0 x_in + lambda1 x0, x_in = previous
+      // output + w skip from the skips on (mix_norm_forward): back through all three in one pass
+      const int l0 = c_.block_lambda_index(i, 0), l1 = c_.block_lambda_index(i, 1);
+      const bool skip = i >= c_.num_skips();
+      const int from = c_.num_layers - 1 - i, w = skip ? c_.skip_weight_index(i - c_.num_skips()) : 0;
+      mix_norm_backward(l.x_mixed, a.dh, a.dx, l.x_in, a.x0, scalar(l0), scalar_grad(l0), scalar(l1), scalar_grad(l1),
+                        a.dx0, skip ? a.layers[from].x_out : nullptr, skip ? scalar(w) : nullptr,
+                        skip ? scalar_grad(w) : nullptr, skip ? a.dskip[from] : nullptr, T_, d, a.reduction_scratch,
+                        stream_);
       gradients_done_(i);
     }
     {
@@ -1270,7 +1273,8 @@ class GPT {
     linear_backward(l.a, params.weight(ParamKind::mlp_proj, i), a.dx, a.du, params.grad(ParamKind::mlp_proj, i), d, F);
     relu_squared_backward(l.u, a.du, a.du, size_t(T_) * F, stream_);
     linear_backward(l.h_mlp, params.weight(ParamKind::mlp_fc, i), a.du, a.dh, params.grad(ParamKind::mlp_fc, i), F, d);
-    rmsnorm_backward(l.x_mid, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
+    // without attention x_mid is x_mixed, whose norm's backward is mix_norm_backward's
+    if (c_.has_attention[i]) rmsnorm_backward(l.x_mid, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
   }
 
   void attention_backward_layer(int i, const MicroSequencePlan& plan) {
@@ -1278,8 +1282,7 @@ class GPT {
     LayerActivations& l = a.layers[i];
     const int d = c_.model_dim;
     linear_backward(l.y, params.weight(ParamKind::attn_proj, i), a.dx, a.dy, params.grad(ParamKind::attn_proj, i), d, d);
-    auto backward = paths_.flash_attention ? flash_attention_backward : attention_backward;
-    backward(l.q, l.k, l.v, l.y, a.dy, l.lse, a.delta, a.dq, a.dk, a.dv, attention_shape(), mask(plan, i), stream_);
+    attention_backward_of(paths_)(l.q, l.k, l.v, l.y, a.dy, l.lse, a.attention_scratch, a.dq, a.dk, a.dv, attention_shape(), mask(plan, i), stream_);
     // v = sa0 v_raw + sa1 ve: dv_raw goes into the v third of dqkv; the ve table gets sa1 dv
     int table = c_.value_embed[i], s0 = c_.sa_lambda_index(i, 0), s1 = c_.sa_lambda_index(i, 1);
     const bf16* ve = table >= 0 ? a.value_embedded[table] : nullptr;
@@ -1290,7 +1293,7 @@ class GPT {
                          stream_);
     qk_norm_rope_backward(l.qkv, a.dq, a.dk, a.cos_sin, a.dqkv, T_, c_.num_heads, stream_);
     linear_backward(l.h_attn, params.weight(ParamKind::qkv, i), a.dqkv, a.dh, params.grad(ParamKind::qkv, i), 3 * d, d);
-    rmsnorm_backward(l.x_mixed, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
+    // (the norm of x_mixed: mix_norm_backward)
   }
 
   Matmul matmul_;
@@ -2260,7 +2263,8 @@ struct SelfCheckFailed : std::runtime_error {
 // The paths the flags select.
 inline KernelPaths paths_of(const Hyperparameters& h) {
   KernelPaths p;
-  p.flash_attention = h.attention == "flash";
+  p.flash_attention = h.attention != "reference";
+  p.fused_attention_backward = h.attention == "flash";
   p.fp8_head = !h.bf16_head;
   p.fused_e5m2_gradient = h.fp8_gradient == "fused";
   p.batched_muon = h.muon == "batched";

@@ -26,14 +26,29 @@ struct AttentionBlockLists {
   int num_blocks = 0, max_kv = 0, max_q = 0;
   std::vector<int> kv_count, kv_index;  // [num_blocks], [num_blocks, max_kv]: kv blocks of each q block
   std::vector<int> q_count, q_index;    // [num_blocks], [num_blocks, max_q]: q blocks that attend each kv block
+  // [num_blocks, max_q]: kv block kb's turn among the kv blocks of its j-th q block, counted in
+  // descending kv-block order (the fused backward adds their dq contributions in that order).
+  std::vector<int> q_turn;
+  // [num_blocks]: the query blocks by descending kv count (ties in sequence order): the flash
+  // forward starts the longest first, so that the last wave is of short ones.
+  std::vector<int> longest_first;
 };
 
 // docs[t] = number of BOS tokens in tokens[0..t] (each document begins with its BOS).
+// Document ids only grow along the sequence, so key s is in query t's document and not after it
+// exactly when document_starts(docs)[t] <= s <= t: the flash kernels' mask is two compares a row.
 inline std::vector<int32_t> attention_document_ids(const uint16_t* tokens, int T, uint16_t bos) {
   std::vector<int32_t> docs(T);
   int32_t d = 0;
   for (int t = 0; t < T; ++t) docs[t] = d += tokens[t] == bos;
   return docs;
+}
+
+// The first token of each token's document.
+inline std::vector<int32_t> document_starts(const std::vector<int32_t>& docs) {
+  std::vector<int32_t> starts(docs.size());
+  for (size_t t = 0; t < docs.size(); ++t) starts[t] = t > 0 && docs[t] == docs[t - 1] ? starts[t - 1] : int32_t(t);
+  return starts;
 }
 
 inline AttentionBlockLists build_attention_blocks(const std::vector<int32_t>& docs, int window_blocks,
@@ -70,14 +85,27 @@ inline AttentionBlockLists build_attention_blocks(const std::vector<int32_t>& do
   };
   flatten(kv, b.kv_count, b.kv_index, b.max_kv);
   flatten(q, b.q_count, b.q_index, b.max_q);
+  b.longest_first.resize(b.num_blocks);
+  for (int qb = 0; qb < b.num_blocks; ++qb) b.longest_first[qb] = qb;
+  std::stable_sort(b.longest_first.begin(), b.longest_first.end(),
+                   [&](int x, int y) { return b.kv_count[x] > b.kv_count[y]; });
+  b.q_turn.assign(b.q_index.size(), -1);
+  for (int kb = 0; kb < b.num_blocks; ++kb)
+    for (int j = 0; j < b.q_count[kb]; ++j) {
+      const std::vector<int>& contributors = kv[q[kb][j]];
+      b.q_turn[size_t(kb) * b.max_q + j] =
+          int(std::count_if(contributors.begin(), contributors.end(), [&](int other) { return other > kb; }));
+    }
   return b;
 }
 
 // The block lists and document ids on the device.
 struct DeviceAttentionMask {
   int num_blocks = 0, max_kv = 0, max_q = 0;
-  int *kv_count = nullptr, *kv_index = nullptr, *q_count = nullptr, *q_index = nullptr;
-  int32_t* docs = nullptr;  // [T]
+  int *kv_count = nullptr, *kv_index = nullptr, *q_count = nullptr, *q_index = nullptr, *q_turn = nullptr;
+  int* longest_first = nullptr;
+  int32_t* docs = nullptr;       // [T]
+  int32_t* doc_start = nullptr;  // [T]: the first token of each token's document
 };
 
 // Each row (query or key) of q, k, v, y, dy, dq, dk, dv is [H, 128] at a stride of row_stride
@@ -225,16 +253,20 @@ class AttentionMask {
     m_.max_kv = lists.max_kv;
     m_.max_q = lists.max_q;
     m_.docs = uploads.upload(docs, stream);
+    m_.doc_start = uploads.upload(document_starts(docs), stream);
     m_.kv_count = uploads.upload(lists.kv_count, stream);
     m_.kv_index = uploads.upload(lists.kv_index, stream);
     m_.q_count = uploads.upload(lists.q_count, stream);
     m_.q_index = uploads.upload(lists.q_index, stream);
+    m_.q_turn = uploads.upload(lists.q_turn, stream);
+    m_.longest_first = uploads.upload(lists.longest_first, stream);
   }
   // What the constructor stages, for StagedUploads::reset.
   static size_t upload_bytes(const std::vector<int32_t>& docs, const AttentionBlockLists& lists) {
-    return StagedUploads::bytes_for(docs) + StagedUploads::bytes_for(lists.kv_count) +
+    return 2 * StagedUploads::bytes_for(docs) + StagedUploads::bytes_for(lists.kv_count) +
            StagedUploads::bytes_for(lists.kv_index) + StagedUploads::bytes_for(lists.q_count) +
-           StagedUploads::bytes_for(lists.q_index);
+           StagedUploads::bytes_for(lists.q_index) + StagedUploads::bytes_for(lists.q_turn) +
+           StagedUploads::bytes_for(lists.longest_first);
   }
   const DeviceAttentionMask& device() const { return m_; }
 
@@ -261,11 +293,19 @@ inline void attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16*
   CUDA_CHECK_LAUNCH();
 }
 
-// delta: [H, T] scratch; dq, dk, dv: [T, H, 128]
+// Every attention backward takes scratch of this many floats: delta [H, T] first; the fused flash
+// backward then keeps dq's fp32 partial sums [H, T, 128] and its counters as ints (a ticket, then
+// a turn per head and 64 queries).
+inline size_t attention_backward_scratch_floats(int T, int H) {
+  return size_t(H) * T * (1 + kAttentionHeadDim) + 1 + size_t(H) * (T / 64);
+}
+
+// scratch: attention_backward_scratch_floats(T, H); dq, dk, dv: [T, H, 128]
 inline void attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
-                               const float* lse, float* delta, bf16* dq, bf16* dk, bf16* dv,
+                               const float* lse, float* scratch, bf16* dq, bf16* dk, bf16* dv,
                                const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
   check_attention_shape(a, mask);
+  float* delta = scratch;  // [H, T]
   attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
   CUDA_CHECK_LAUNCH();
   attention_backward_dq_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, dy, lse, delta, dq, a, mask.device());

@@ -57,6 +57,9 @@ __global__ void __launch_bounds__(kFrobeniusThreads) frobenius_norms_kernel(cons
   if (threadIdx.x == 0) norms[blockIdx.x] = sqrtf(ss);
 }
 
+// x rounded to bf16 (to nearest, as store8 rounds), as a float.
+__device__ inline float round_to_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
 // Eight bf16 in one 16-byte load/store.
 struct alignas(16) Bf16x8 {
   bf16 v[8];
@@ -102,6 +105,17 @@ __device__ inline void store4(bf16* p, const float in[4]) {
 
 // 256-thread blocks over `items`, grid-stride past 16 blocks per SM (132 SMs on an H100); at least
 // one block, so that an empty launch is not an invalid configuration.
+// The current device's SMs (asked once: a process drives one device).
+inline int multiprocessor_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+  }();
+  return count;
+}
+
 inline int elementwise_grid(size_t items) {
   size_t blocks = (items + 255) / 256;
   return int(blocks < 1 ? 1 : blocks < 132 * 16 ? blocks : 132 * 16);

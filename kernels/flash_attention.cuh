@@ -5,8 +5,11 @@
 // registers. One CTA per (128-token block, head); warp w holds rows 16 w .. 16 w + 15. A query
 // block walks its kv-block list, a kv block its query-block list (attention.cuh builds both), so
 // cost follows the window. Only the diagonal block and blocks that straddle a document boundary
-// are masked element by element. The backward is deterministic: dq per query block, dk and dv per
-// kv block, no atomics.
+// are masked element by element. The backward is one kernel per kv block (5 products a tile: S,
+// dP, dV, dK, and dQ from the same dS through shared memory), its dq contributions summed across
+// CTAs in a fixed order (DqPartialSums), so it is bitwise deterministic; `--attention flash-split`
+// keeps the two-kernel backward (dq per query block, dk and dv per kv block, each recomputing S
+// and dP) until the fused one has passed on a GPU.
 //
 // Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
 // [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7), atoms of 8 rows
@@ -34,11 +37,15 @@ constexpr uint32_t kHalfTileBytes = kTile * 64 * sizeof(bf16);  // one column ha
 // fixed tiles + stages x two walked ones.
 constexpr size_t kForwardSharedBytes = (1 + 2 * kStages) * kTileElements * sizeof(bf16) + kSwizzleAtomBytes;
 constexpr size_t kBackwardSharedBytes = (2 + 2 * kStages) * kTileElements * sizeof(bf16) + kSwizzleAtomBytes;
+// The fused backward also holds one 64-query half of dS, [64 queries][128 keys].
+constexpr int kDsRows = 64;
+constexpr size_t kFusedBackwardSharedBytes = kBackwardSharedBytes + kDsRows * kTile * sizeof(bf16);
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kScaleLog2 = kAttentionScale * kLog2e;  // scores in base 2: exp2 on the fast path
 
-__device__ inline int swizzled(int row, int col) {  // element (row, col) of a tile
-  return col / 64 * (kTile * 64) + row * 64 + ((((col % 64) >> 3) ^ (row & 7)) << 3) + (col & 7);
+template <int kRows = kTile>
+__device__ inline int swizzled(int row, int col) {  // element (row, col) of a tile of kRows rows
+  return col / 64 * (kRows * 64) + row * 64 + ((((col % 64) >> 3) ^ (row & 7)) << 3) + (col & 7);
 }
 
 // The descriptor of a matrix in shared memory laid out in 128-byte swizzle atoms (8 rows of 128
@@ -76,11 +83,9 @@ __device__ inline void load_values_async(T* to, const T* from, int first_thread)
   if (i >= 0 && i < kTile / 4) ptx::cp_async_16(to + 4 * i, from + 4 * i);
 }
 
-// Starts the copies of the K tile and the document ids of the kv block at token k0 of head h.
-__device__ inline void load_k_tile(bf16* k_tile, int32_t* kv_docs, const bf16* k, const AttentionTensors& a,
-                                   const int32_t* docs, int h, int k0) {
+// Starts the copies of the K tile of the kv block at token k0 of head h.
+__device__ inline void load_k_tile(bf16* k_tile, const bf16* k, const AttentionTensors& a, int h, int k0) {
   load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
-  load_values_async(kv_docs, docs + k0, 0);
 }
 
 // Starts the copies of the V tile of the kv block at token k0 of head h.
@@ -88,11 +93,11 @@ __device__ inline void load_v_tile(bf16* v_tile, const bf16* v, const AttentionT
   load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
 }
 
-// Starts the copies of the K and V tiles (V right after K) and the document ids of the kv block
-// at token k0 of head h, as one group.
-__device__ inline void load_kv_tiles(bf16* k_tile, int32_t* kv_docs, const bf16* k, const bf16* v,
-                                     const AttentionTensors& a, const int32_t* docs, int h, int k0) {
-  load_k_tile(k_tile, kv_docs, k, a, docs, h, k0);
+// Starts the copies of the K and V tiles (V right after K) of the kv block at token k0 of head h,
+// as one group.
+__device__ inline void load_kv_tiles(bf16* k_tile, const bf16* k, const bf16* v, const AttentionTensors& a, int h,
+                                     int k0) {
+  load_k_tile(k_tile, k, a, h, k0);
   load_v_tile(k_tile + kTileElements, v, a, h, k0);
   ptx::cp_async_commit();
 }
@@ -180,10 +185,10 @@ __device__ inline void zero(float (&acc)[N][4]) {
   for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 
-// A (query block, kv block) pair needs element masks unless it is strictly causal and both blocks
-// lie in one document (document ids only grow along the sequence).
-__device__ inline bool needs_mask(int qb, int kb, const int32_t* q_docs, const int32_t* kv_docs) {
-  return kb == qb || kv_docs[0] != q_docs[kTile - 1];
+// A (query block, kv block) pair needs element masks unless it is strictly causal and the kv block
+// lies in the document of every query (q_start: the query tile's document starts; they only grow).
+__device__ inline bool needs_mask(int qb, int kb, const int32_t* q_start) {
+  return kb == qb || q_start[kTile - 1] > kb * kTile;
 }
 
 // The element of accumulator n-tile n, register e: its row and column inside the 16 x 8N tile.
@@ -213,50 +218,62 @@ __device__ inline void store_rows(bf16* out, const float (&acc)[kAttentionHeadDi
     }
 }
 
-// Walks the kv blocks listed for query block qb (the dq kernel): block j's K and V tiles and
-// document ids land in stage j % kStages of `stages` ([kStages][K, V] tiles) while block j - 1 is
-// computed; body(kb, k_tile, v_tile, kv_docs) computes block kb. The copies the caller has issued
-// before (its fixed tiles) join block 0's group.
+// Walks the kv blocks listed for query block qb (the dq kernel): block j's K and V tiles land in
+// stage j % kStages of `stages` ([kStages][K, V] tiles) while block j - 1 is computed;
+// body(kb, k_tile, v_tile) computes block kb. The copies the caller has issued before (its fixed
+// tiles) join block 0's group.
 template <typename Body>
-__device__ inline void walk_kv_blocks(bf16* stages, int32_t (&stage_docs)[kStages][kTile], const bf16* k,
-                                      const bf16* v, const AttentionTensors& a, const DeviceAttentionMask& m, int qb,
-                                      int h, Body body) {
+__device__ inline void walk_kv_blocks(bf16* stages, const bf16* k, const bf16* v, const AttentionTensors& a,
+                                      const DeviceAttentionMask& m, int qb, int h, Body body) {
   const int count = m.kv_count[qb];
   auto kv_block = [&](int j) { return m.kv_index[qb * m.max_kv + j]; };
   auto k_tile_of = [&](int j) { return stages + 2 * (j % kStages) * kTileElements; };
-  auto load = [&](int j) { load_kv_tiles(k_tile_of(j), stage_docs[j % kStages], k, v, a, m.docs, h, kv_block(j) * kTile); };
+  auto load = [&](int j) { load_kv_tiles(k_tile_of(j), k, v, a, h, kv_block(j) * kTile); };
   if (count > 0) load(0);
   for (int j = 0; j < count; ++j) {
     wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
     if (j + 1 < count) load(j + 1);
-    body(kv_block(j), k_tile_of(j), k_tile_of(j) + kTileElements, stage_docs[j % kStages]);
+    body(kv_block(j), k_tile_of(j), k_tile_of(j) + kTileElements);
   }
 }
 
+// The mask of a row inside a kv tile: query q (token) sees the tile's columns [first, last], its
+// document's keys up to itself (document ids only grow: two compares instead of two id loads).
+struct RowBounds {
+  int first, last;
+  __device__ RowBounds(int q, int q_start, int k0) : first(q_start - k0), last(q - k0) {}
+  __device__ bool allows(int col) const { return col >= first && col <= last; }
+};
+
 // One kv block's step of the online softmax on a warp's 16 rows: the scores s of kv block k0
-// become P = exp2(scale s - running max) (0 where masked), row_max and row_sum move on, and
-// `correction` is what the output accumulated so far must be scaled by.
+// become P = exp2(scale s - running max) (0 where masked), row_max (scaled, base 2) and row_sum
+// move on, and `correction` is what the output accumulated so far must be scaled by. q_start: the
+// query tile's document starts. The maximum is taken on the raw scores (the scale is positive), so
+// each P is one FFMA and one ex2.
 __device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                      float (&correction)[2], bool masked, int q0, int k0, const int32_t* q_docs,
-                                      const int32_t* kv_docs) {
+                                      float (&correction)[2], bool masked, int q0, int k0, const int32_t* q_start) {
   constexpr int N = kTile / 8;
   const int warp = threadIdx.x / 32;
   float tile_max[2] = {-INFINITY, -INFINITY};
+  if (masked) {
+    const int row0 = warp * 16 + fragment_row(0), row8 = row0 + 8;
+    const RowBounds rows[2] = {{q0 + row0, q_start[row0], k0}, {q0 + row8, q_start[row8], k0}};
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!rows[e / 2].allows(fragment_col(n, e))) s[n][e] = -INFINITY;
+  }
 #pragma unroll
   for (int n = 0; n < N; ++n)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int row = warp * 16 + fragment_row(e), col = fragment_col(n, e);
-      bool allowed = !masked || (k0 + col <= q0 + row && kv_docs[col] == q_docs[row]);
-      s[n][e] = allowed ? s[n][e] * kScaleLog2 : -INFINITY;
-      tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
-    }
+    for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float new_max = fmaxf(row_max[r], quad_max(tile_max[r]));
+    float new_max = fmaxf(row_max[r], quad_max(tile_max[r]) * kScaleLog2);
     base[r] = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing allowed yet stays at zero
-    correction[r] = exp2f(row_max[r] - base[r]);
+    correction[r] = ptx::exp2_ftz(row_max[r] - base[r]);
     row_max[r] = new_max;
     row_sum[r] *= correction[r];
   }
@@ -264,7 +281,7 @@ __device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)
   for (int n = 0; n < N; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[n][e] = exp2f(s[n][e] - base[e / 2]);
+      s[n][e] = ptx::exp2_ftz(fmaf(s[n][e], kScaleLog2, -base[e / 2]));
       row_sum[e / 2] += s[n][e];
     }
 }
@@ -272,91 +289,116 @@ __device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)
 // Forward: per (query block, head), online softmax over the listed kv blocks. Each warpgroup
 // overlaps the softmax of block j + 1 with block j's product P V on the tensor cores: it issues
 // S(j + 1) = Q K(j + 1)^T and then O += P(j) V(j), waits for the scores only, and waits for O just
-// before rescaling it. So K runs one block ahead of V: K and the document ids of block j + 2 and V
-// of block j + 1 are copied while block j's products run, each into the buffer (of two) whose
-// previous reader has been waited for before the barrier that starts block j.
+// before rescaling it. So K runs one block ahead of V: K of block j + 2 and V of block j + 1 are
+// copied while block j's products run, each into the buffer (of two) whose previous reader has
+// been waited for before the barrier that starts block j.
+// The grid is persistent: one CTA per SM walks (query block, head) items, the query blocks with the
+// most kv blocks first (m.longest_first), dealt to the CTAs in a snake order (round r of gridDim.x
+// items goes forward in even rounds, backward in odd ones) so that each CTA's items add up about
+// alike. An item's Q, document starts and first K tile are copied while the previous item's last
+// P V product runs.
 __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y,
                                                            float* lse, AttentionTensors a, DeviceAttentionMask m) {
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, K of even and odd blocks, V of even and odd blocks
   bf16* q_tile = tiles;
-  __shared__ __align__(16) int32_t q_docs[kTile], k_docs[2][kTile];
-  const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile, count = m.kv_count[qb];
-  const int warpgroup_row = warp / 4 * 64;
-  auto k0_of = [&](int j) { return m.kv_index[qb * m.max_kv + j] * kTile; };  // the j-th listed kv block
+  __shared__ __align__(16) int32_t q_start[kTile];  // the queries' document starts
+  const int warp = threadIdx.x / 32, warpgroup_row = warp / 4 * 64, items = m.num_blocks * a.H;
+  const int ctas = gridDim.x, cta = blockIdx.x;
+  auto item_of_round = [&](int r) {  // this CTA's item of round r, or -1
+    const int item = r * ctas + (r % 2 ? ctas - 1 - cta : cta);
+    return item < items ? item : -1;
+  };
+  auto query_block_of = [&](int item) { return m.longest_first[item / a.H]; };
+  auto k0_of = [&](int qb, int j) { return m.kv_index[qb * m.max_kv + j] * kTile; };  // its j-th listed kv block
   auto k_tile = [&](int j) { return tiles + (1 + j % 2) * kTileElements; };
   auto v_tile = [&](int j) { return tiles + (3 + j % 2) * kTileElements; };
-  auto load_k = [&](int j) { load_k_tile(k_tile(j), k_docs[j % 2], k, a, m.docs, h, k0_of(j)); };
-  auto load_v = [&](int j) { load_v_tile(v_tile(j), v, a, h, k0_of(j)); };
+  auto load_first = [&](int item) {  // an item's Q, document starts and first K tile, as one group
+    const int qb = query_block_of(item), h = item % a.H;
+    load_tile_async(q_tile, q + qb * kTile * a.q_stride + h * kAttentionHeadDim, a.q_stride);
+    load_values_async(q_start, m.doc_start + qb * kTile, 0);
+    if (m.kv_count[qb] > 0) load_k_tile(k_tile(0), k, a, h, k0_of(qb, 0));
+    ptx::cp_async_commit();
+  };
 
   constexpr int N = kTile / 8;
   static_assert(N == kAttentionHeadDim / 8, "scores and output tiles share their fragment loops");
-  float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0}, correction[2];
-  zero(o);
-  auto softmax_of_block = [&](float (&s)[N][4], int j) {
-    const int k0 = k0_of(j);
-    const bool masked = needs_mask(qb, k0 / kTile, q_docs, k_docs[j % 2]);
-    online_softmax(s, row_max, row_sum, correction, masked, q0, k0, q_docs, k_docs[j % 2]);
-  };
-  load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
-  load_values_async(q_docs, m.docs + q0, 32);
-  if (count > 0) {
-    load_k(0);
-    ptx::cp_async_commit();  // the first scores wait for this group only
-    load_v(0);
-    if (count > 1) load_k(1);
-    ptx::cp_async_commit();
-    wait_tiles<1>();
-    float s[N][4], s_next[N][4];  // P of block j, scores of block j + 1
-    wgmma_a_bt<kTile>(s, q_tile, warpgroup_row, k_tile(0), 0);
-    wgmma_wait_all(s);
-    softmax_of_block(s, 0);
-    // The last block has no next scores: peeled, so that every product in the loop is issued
-    // unconditionally (a conditional one makes ptxas serialise the wgmma).
-    for (int j = 0; j + 1 < count; ++j) {
-      wait_tiles();  // V(j), K(j + 1) are in; every warp is done with S(j) and P(j - 1) V(j - 1)
-      if (j + 2 < count) load_k(j + 2);
-      load_v(j + 1);
+  load_first(item_of_round(0));  // the grid has at most one CTA an item
+  for (int r = 0, item = item_of_round(0); item >= 0; item = item_of_round(++r)) {
+    const int qb = query_block_of(item), h = item % a.H, q0 = qb * kTile, count = m.kv_count[qb];
+    auto load_next = [&] {  // the next item's first copies, once Q, the starts and the K tiles are free
+      if (item_of_round(r + 1) >= 0) load_first(item_of_round(r + 1));
+    };
+    auto load_k = [&](int j) { load_k_tile(k_tile(j), k, a, h, k0_of(qb, j)); };
+    auto load_v = [&](int j) { load_v_tile(v_tile(j), v, a, h, k0_of(qb, j)); };
+    float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0}, correction[2];
+    zero(o);
+    auto softmax_of_block = [&](float (&s)[N][4], int j) {
+      const int k0 = k0_of(qb, j);
+      online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, q_start), q0, k0, q_start);
+    };
+    if (count > 0) {
+      load_v(0);
+      if (count > 1) load_k(1);
       ptx::cp_async_commit();
-      wgmma_a_bt<kTile>(s_next, q_tile, warpgroup_row, k_tile(j + 1), 0);
-      wgmma_p_b<kTile / 16>(o, s, v_tile(j), 0);
-      ptx::wgmma_wait<1>();  // the scores; P(j) V(j) runs on beside the softmax
-      fence_registers(s_next);
-      softmax_of_block(s_next, j + 1);
+      wait_tiles<1>();  // Q, the starts and K(0) are in
+      float s[N][4], s_next[N][4];  // P of block j, scores of block j + 1
+      wgmma_a_bt<kTile>(s, q_tile, warpgroup_row, k_tile(0), 0);
+      wgmma_wait_all(s);
+      softmax_of_block(s, 0);
+      // The last block has no next scores: peeled, so that every product in the loop is issued
+      // unconditionally (a conditional one makes ptxas serialise the wgmma).
+      for (int j = 0; j + 1 < count; ++j) {
+        wait_tiles();  // V(j), K(j + 1) are in; every warp is done with S(j) and P(j - 1) V(j - 1)
+        if (j + 2 < count) load_k(j + 2);
+        load_v(j + 1);
+        ptx::cp_async_commit();
+        wgmma_a_bt<kTile>(s_next, q_tile, warpgroup_row, k_tile(j + 1), 0);
+        wgmma_p_b<kTile / 16>(o, s, v_tile(j), 0);
+        ptx::wgmma_wait<1>();  // the scores; P(j) V(j) runs on beside the softmax
+        fence_registers(s_next);
+        softmax_of_block(s_next, j + 1);
+        wgmma_wait_all(o);
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            o[n][e] *= correction[e / 2];
+            s[n][e] = s_next[n][e];
+          }
+      }
+      wait_tiles();  // V(count - 1) is in; every warp is done with Q, the starts and both K tiles
+      load_next();
+      wgmma_p_b<kTile / 16>(o, s, v_tile(count - 1), 0);
       wgmma_wait_all(o);
-#pragma unroll
-      for (int n = 0; n < N; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          o[n][e] *= correction[e / 2];
-          s[n][e] = s_next[n][e];
-        }
+    } else {
+      wait_tiles();
+      load_next();
     }
-    wait_tiles();
-    wgmma_p_b<kTile / 16>(o, s, v_tile(count - 1), 0);
-    wgmma_wait_all(o);
+    float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+    store_rows(y, o, q0 + warp * 16, h, a.H, 1.0f / total[0], 1.0f / total[1]);
+    if (threadIdx.x % 4 == 0)
+      for (int i = 0; i < 2; ++i)
+        lse[size_t(h) * a.T + q0 + warp * 16 + fragment_row(2 * i)] = row_max[i] / kLog2e + logf(total[i]);
+    __syncthreads();  // every warp is done with V(count - 1) before the next item's V(0) may land there
   }
-  float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
-  store_rows(y, o, q0 + warp * 16, h, a.H, 1.0f / total[0], 1.0f / total[1]);
-  if (threadIdx.x % 4 == 0)
-    for (int r = 0; r < 2; ++r)
-      lse[size_t(h) * a.T + q0 + warp * 16 + fragment_row(2 * r)] = row_max[r] / kLog2e + logf(total[r]);
 }
 
 // P and dS of a 16 x 8N score tile: p = exp(scores - lse) where allowed (0 elsewhere),
 // ds = p (dp - delta). `query_of(row, col)` maps a fragment position to its query index within the
-// query tile and `key_of` to its key index within the kv tile (the dkv kernel's tiles are transposed).
+// query tile and `key_of` to its key index within the kv tile (the dkv kernel's tiles are
+// transposed); q_start: the query tile's document starts.
 template <int N, typename QueryOf, typename KeyOf>
 __device__ inline void softmax_backward(float (&s)[N][4], float (&dp)[N][4], const float* lse, const float* delta,
-                                        bool masked, int q0, int k0, const int32_t* q_docs, const int32_t* kv_docs,
-                                        QueryOf query_of, KeyOf key_of) {
+                                        bool masked, int q0, int k0, const int32_t* q_start, QueryOf query_of,
+                                        KeyOf key_of) {
 #pragma unroll
   for (int n = 0; n < N; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      int tq = query_of(n, e), tk = key_of(n, e);
-      bool allowed = !masked || (k0 + tk <= q0 + tq && kv_docs[tk] == q_docs[tq]);
-      float p = allowed ? exp2f(s[n][e] * kScaleLog2 - lse[tq] * kLog2e) : 0.0f;
+      const int tq = query_of(n, e);
+      const bool allowed = !masked || RowBounds(q0 + tq, q_start[tq], k0).allows(key_of(n, e));
+      float p = allowed ? ptx::exp2_ftz(fmaf(s[n][e], kScaleLog2, -lse[tq] * kLog2e)) : 0.0f;
       s[n][e] = p;
       dp[n][e] = p * (dp[n][e] - delta[tq]);
     }
@@ -369,30 +411,29 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, dY, then per stage K and V
   bf16 *q_tile = tiles, *dy_tile = tiles + kTileElements;
-  __shared__ __align__(16) int32_t q_docs[kTile], stage_docs[kStages][kTile];
+  __shared__ __align__(16) int32_t q_start[kTile];  // the queries' document starts
   __shared__ __align__(16) float q_lse[kTile], q_delta[kTile];
   const int qb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, q0 = qb * kTile;
   const int warpgroup_row = warp / 4 * 64;
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
   load_tile_async(q_tile, q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
   load_tile_async(dy_tile, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
-  load_values_async(q_docs, m.docs + q0, 32);
+  load_values_async(q_start, m.doc_start + q0, 32);
   load_values_async(q_lse, lse + size_t(h) * a.T + q0, 64);
   load_values_async(q_delta, delta + size_t(h) * a.T + q0, 96);
   constexpr int kKeys = 64, N = kKeys / 8;
   float dq_acc[kAttentionHeadDim / 8][4];
   zero(dq_acc);
   auto query_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
-  walk_kv_blocks(tiles + 2 * kTileElements, stage_docs, k, v, a, m, qb, h,
-                 [&](int kb, const bf16* k_tile, const bf16* v_tile, const int32_t* kv_docs) {
+  walk_kv_blocks(tiles + 2 * kTileElements, k, v, a, m, qb, h, [&](int kb, const bf16* k_tile, const bf16* v_tile) {
     const int k0 = kb * kTile;
-    const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
+    const bool masked = needs_mask(qb, kb, q_start);
     for (int half = 0; half < kTile / kKeys; ++half) {
       float s[N][4], dp[N][4];
       wgmma_a_bt<kKeys>(s, q_tile, warpgroup_row, k_tile, half * kKeys);
       wgmma_a_bt<kKeys>(dp, dy_tile, warpgroup_row, v_tile, half * kKeys);
       wgmma_wait_all(s, dp);  // (and the previous half's dq product)
-      softmax_backward(s, dp, q_lse, q_delta, masked, q0, k0, q_docs, kv_docs, query_of,
+      softmax_backward(s, dp, q_lse, q_delta, masked, q0, k0, q_start, query_of,
                        [&](int n, int e) { return half * kKeys + fragment_col(n, e); });
       wgmma_p_b<kKeys / 16>(dq_acc, dp, k_tile, half * kKeys);
     }
@@ -401,36 +442,124 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
   store_rows(dq, dq_acc, q0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
 }
 
+// dq's partial sums between the CTAs of the fused backward. The kv blocks that attend a query
+// block each add their contribution dS K to its rows, per 64-query half, in descending kv-block
+// order (the mask's q_turn): the first stores, the next ones add (fp32 reductions at L2), the last
+// reads the sum back, adds its own and writes dq in bf16. Each contributor waits until the half's
+// counter reaches its turn, so the fp32 sums happen in one order on every run: dq is bitwise
+// deterministic. CTAs take (head, kv block) in the order of a ticket, from the last kv block down:
+// a CTA only ever waits for CTAs that started before it, so the waits cannot deadlock.
+struct DqPartialSums {
+  float* sums;  // [H, T, 128]
+  int* ticket;  // the CTAs' start order (zero at the launch)
+  int* turns;   // [H, T / 64]: contributions added so far to each (head, 64 queries) (zero at the launch)
+};
+constexpr unsigned kMaxTurnPolls = 1u << 26;  // seconds of polling: a turn that never comes traps
+
+// Thread 0 waits until `counter` reaches `turn`: every contribution before this CTA's is in.
+__device__ inline void wait_for_turn(const int* counter, int turn) {
+  for (unsigned polls = 0; *reinterpret_cast<const volatile int*>(counter) != turn; ++polls) {
+    if (polls == kMaxTurnPolls) __trap();  // a scheduling bug: fail the launch instead of hanging the GPU
+    __nanosleep(64);
+  }
+  __threadfence();
+}
+
+// Issues, as one group, dq[64 x 64] = dS[64 x 128] K[0..128, 64 g .. 64 g + 64) for warpgroup g:
+// dS a [64 queries][128 keys] tile (K-major), the K tile read N-major (its rows, the keys, are k).
+__device__ inline void wgmma_ds_k(float (&dq)[kDsRows / 8][4], const bf16* ds_tile, const bf16* k_tile, int g) {
+  fence_registers(dq);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    const uint64_t a_desc = swizzled_128b_descriptor(ds_tile + swizzled<kDsRows>(0, kk * 16), 16, kSwizzleAtomBytes);
+    const uint64_t b_desc =
+        swizzled_128b_descriptor(k_tile + swizzled(kk * 16, g * 64), kHalfTileBytes, kSwizzleAtomBytes);
+    ptx::wgmma_m64n64k16_ss</*trans_b=*/1>(dq, a_desc, b_desc, /*accumulate=*/kk > 0);
+  }
+  ptx::wgmma_commit();
+}
+
+// Adds the CTA's dq contribution to the 64 queries from token q_first of head h, in its turn of
+// `contributors`; each warpgroup holds 64 of the 128 columns (the accumulator of wgmma_ds_k).
+__device__ inline void add_dq_contribution(const float (&part)[kDsRows / 8][4], const DqPartialSums& s, bf16* dq,
+                                           const AttentionTensors& a, int h, int q_first, int turn,
+                                           int contributors) {
+  int* counter = s.turns + size_t(h) * (a.T / kDsRows) + q_first / kDsRows;
+  if (turn > 0) {
+    if (threadIdx.x == 0) wait_for_turn(counter, turn);
+    __syncthreads();
+  }
+  const int warp = threadIdx.x / 32;
+  const bool last = turn + 1 == contributors;
+#pragma unroll
+  for (int n = 0; n < kDsRows / 8; ++n)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = q_first + warp % 4 * 16 + fragment_row(2 * half), col = warp / 4 * 64 + fragment_col(n, 0);
+      float2 v = make_float2(part[n][2 * half], part[n][2 * half + 1]);
+      float2* sum = reinterpret_cast<float2*>(s.sums + (size_t(h) * a.T + row) * kAttentionHeadDim + col);
+      if (last) {
+        if (turn > 0) {
+          const float2 before = __ldcg(sum);  // from L2: this SM's L1 may hold an older copy
+          v = make_float2(before.x + v.x, before.y + v.y);
+        }
+        *reinterpret_cast<uint32_t*>(dq + (size_t(row) * a.H + h) * kAttentionHeadDim + col) =
+            pack_bf16(v.x * kAttentionScale, v.y * kAttentionScale);
+      } else if (turn == 0) {
+        __stcg(sum, v);
+      } else {
+        atomicAdd(sum, v);
+      }
+    }
+  if (!last) {
+    // Release, as CUTLASS's semaphores: the barrier orders every thread's sums before thread 0's
+    // fence, which (cumulative) makes them visible at GPU scope before the counter moves on.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(counter, 1);
+    }
+  }
+}
+
 // Per (kv block, head): dv = sum_q P^T dy and dk = scale sum_q dS^T Q over the query blocks that
 // list this kv block, 64 queries at a time; the warps own 16 keys each, so scores are transposed.
+// With fused_dq (the fused backward) the same dS also gives dq: each 64-query half of dS goes to
+// shared memory as [queries][keys], and dS K is added to dq's partial sums (DqPartialSums) in turn.
+template <bool fused_dq>
 __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                 const bf16* dy, const float* lse, const float* delta,
-                                                                bf16* dk, bf16* dv, AttentionTensors a,
-                                                                DeviceAttentionMask m) {
+                                                                bf16* dq, bf16* dk, bf16* dv, DqPartialSums dq_sums,
+                                                                AttentionTensors a, DeviceAttentionMask m) {
   extern __shared__ __align__(128) bf16 shared_tiles[];
-  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // K, V, then per stage Q and dY
-  bf16 *k_tile = tiles, *v_tile = tiles + kTileElements;
-  __shared__ __align__(16) int32_t kv_docs[kTile], stage_docs[kStages][kTile];
+  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // K, V, per stage Q and dY, then (fused) dS
+  bf16 *k_tile = tiles, *v_tile = tiles + kTileElements, *ds_tile = tiles + (2 + 2 * kStages) * kTileElements;
+  __shared__ __align__(16) int32_t stage_start[kStages][kTile];  // the query tiles' document starts
   __shared__ __align__(16) float stage_lse[kStages][kTile], stage_delta[kStages][kTile];
-  const int kb = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, k0 = kb * kTile, count = m.q_count[kb];
+  __shared__ int work;  // the fused backward's (head, kv block), by ticket
+  if (fused_dq && threadIdx.x == 0) work = atomicAdd(dq_sums.ticket, 1);
+  __syncthreads();
+  const int kb = fused_dq ? m.num_blocks - 1 - work % m.num_blocks : int(blockIdx.x);
+  const int h = fused_dq ? work / m.num_blocks : int(blockIdx.y);
+  const int warp = threadIdx.x / 32, k0 = kb * kTile, count = m.q_count[kb];
   const int warpgroup_row = warp / 4 * 64;
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
   auto q_block = [&](int j) { return m.q_index[kb * m.max_q + j]; };
   auto q_tile_of = [&](int j) { return tiles + (2 + 2 * (j % kStages)) * kTileElements; };
-  auto load_q = [&](int j) {  // the j-th listed query block (Q, dY, ids, statistics) into stage j % kStages
+  auto load_q = [&](int j) {  // the j-th listed query block (Q, dY, starts, statistics) into stage j % kStages
     const int q0 = q_block(j) * kTile, stage = j % kStages;
     load_tile_async(q_tile_of(j), q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
     load_tile_async(q_tile_of(j) + kTileElements, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
-    load_values_async(stage_docs[stage], m.docs + q0, 0);
+    load_values_async(stage_start[stage], m.doc_start + q0, 0);
     load_values_async(stage_lse[stage], lse + size_t(h) * a.T + q0, 32);
     load_values_async(stage_delta[stage], delta + size_t(h) * a.T + q0, 64);
     ptx::cp_async_commit();
   };
   load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
   load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
-  load_values_async(kv_docs, m.docs + k0, 96);
   if (count > 0) load_q(0);
-  constexpr int kQueries = 64, N = kQueries / 8;
+  constexpr int kQueries = kDsRows, N = kQueries / 8;
   float dk_acc[kAttentionHeadDim / 8][4], dv_acc[kAttentionHeadDim / 8][4];
   zero(dk_acc);
   zero(dv_acc);
@@ -440,20 +569,38 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     if (j + 1 < count) load_q(j + 1);
     const int qb = q_block(j), q0 = qb * kTile, stage = j % kStages;
     const bf16 *q_tile = q_tile_of(j), *dy_tile = q_tile + kTileElements;
-    const int32_t* q_docs = stage_docs[stage];
+    const int32_t* q_start = stage_start[stage];
     const float *q_lse = stage_lse[stage], *q_delta = stage_delta[stage];
-    const bool masked = needs_mask(qb, kb, q_docs, kv_docs);
+    const bool masked = needs_mask(qb, kb, q_start);
     for (int half = 0; half < kTile / kQueries; ++half) {
       float st[N][4], dpt[N][4];  // [64 keys x 64 queries] per warpgroup
       wgmma_a_bt<kQueries>(st, k_tile, warpgroup_row, q_tile, half * kQueries);
       wgmma_a_bt<kQueries>(dpt, v_tile, warpgroup_row, dy_tile, half * kQueries);
       wgmma_wait_all(st, dpt);
-      softmax_backward(st, dpt, q_lse, q_delta, masked, q0, k0, q_docs, kv_docs,
+      softmax_backward(st, dpt, q_lse, q_delta, masked, q0, k0, q_start,
                        [&](int n, int e) { return half * kQueries + fragment_col(n, e); }, key_of);
+      if constexpr (fused_dq) {
+        __syncthreads();  // both warpgroups' dq products of the previous half are done with the dS tile
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            ds_tile[swizzled<kDsRows>(fragment_col(n, e), key_of(n, e))] = __float2bfloat16(dpt[n][e]);
+      }
       wgmma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);
       wgmma_p_b<kQueries / 16>(dk_acc, dpt, q_tile, half * kQueries);
-      // now, not at the next half: P and dS in flight beside the next scores would spill registers
-      wgmma_wait_all(dv_acc, dk_acc);
+      if constexpr (fused_dq) {
+        ptx::fence_proxy_async_shared();
+        __syncthreads();  // the whole dS half is in
+        float dq_part[kDsRows / 8][4];
+        wgmma_ds_k(dq_part, ds_tile, k_tile, warp / 4);
+        wgmma_wait_all(dv_acc, dk_acc, dq_part);
+        add_dq_contribution(dq_part, dq_sums, dq, a, h, q0 + half * kQueries, m.q_turn[kb * m.max_q + j],
+                            m.kv_count[qb]);
+      } else {
+        // now, not at the next half: P and dS in flight beside the next scores would spill registers
+        wgmma_wait_all(dv_acc, dk_acc);
+      }
     }
   }
   store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
@@ -497,32 +644,61 @@ inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v,
   check_flash_attention_shape(a, mask,
                               {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
                                {"v", v, kFlashCopiedAlignment}, {"y", y, kFlashWrittenAlignment}});
-  const size_t smem = flash::kForwardSharedBytes;
+  const size_t smem = flash::kForwardSharedBytes;  // one CTA per SM
   flash::set_shared_memory(flash::forward_kernel, smem);
-  flash::forward_kernel<<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(q, k, v, y, lse, a,
-                                                                                          mask.device());
+  const int items = a.T / flash::kTile * a.H;
+  flash::forward_kernel<<<std::min(items, multiprocessor_count()), flash::kThreads, smem, stream>>>(q, k, v, y, lse, a,
+                                                                                                 mask.device());
   CUDA_CHECK_LAUNCH();
 }
 
-// delta: [H, T] scratch; dq, dk, dv: [T, H, 128]
-inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
-                                     const float* lse, float* delta, bf16* dq, bf16* dk, bf16* dv,
-                                     const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+// The checks of both flash backwards and their first kernel: delta = rowsum(y dy) into the
+// scratch's first [H, T] floats (attention_backward_scratch_floats(T, H) in all).
+inline void flash_attention_backward_start(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
+                                           const float* lse, float* scratch, bf16* dq, bf16* dk, bf16* dv,
+                                           const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
   check_flash_attention_shape(a, mask,
                               {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
                                {"v", v, kFlashCopiedAlignment}, {"dy", dy, kFlashCopiedAlignment},
-                               {"lse", lse, kFlashCopiedAlignment}, {"delta", delta, kFlashCopiedAlignment},
+                               {"lse", lse, kFlashCopiedAlignment}, {"scratch", scratch, kFlashCopiedAlignment},
                                {"dq", dq, kFlashWrittenAlignment}, {"dk", dk, kFlashWrittenAlignment},
                                {"dv", dv, kFlashWrittenAlignment}});
-  attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
+  attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, scratch, a.T, a.H);
   CUDA_CHECK_LAUNCH();
+}
+
+// The fused backward: one kernel per (kv block, head) computes dk, dv and dq's contributions from
+// one pass over the scores (5 products a tile); dq summed in a fixed order (DqPartialSums).
+// scratch: attention_backward_scratch_floats(T, H); dq, dk, dv: [T, H, 128]
+inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
+                                     const float* lse, float* scratch, bf16* dq, bf16* dk, bf16* dv,
+                                     const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+  flash_attention_backward_start(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, stream);
+  const size_t statistics = size_t(a.H) * a.T;
+  int* counters = reinterpret_cast<int*>(scratch + statistics * (1 + kAttentionHeadDim));
+  const flash::DqPartialSums sums{scratch + statistics, counters, counters + 1};
+  CUDA_CHECK(cudaMemsetAsync(counters, 0, (1 + statistics / flash::kDsRows) * sizeof(int), stream));
+  const size_t smem = flash::kFusedBackwardSharedBytes;
+  flash::set_shared_memory(flash::backward_dkv_kernel<true>, smem);
+  flash::backward_dkv_kernel<true><<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(
+      q, k, v, dy, lse, scratch, dq, dk, dv, sums, a, mask.device());
+  CUDA_CHECK_LAUNCH();
+}
+
+// The backward as two kernels that each recompute the scores (`--attention flash-split`): dq per
+// query block, dk and dv per kv block. scratch as above (only delta is used).
+inline void flash_attention_backward_split(const bf16* q, const bf16* k, const bf16* v, const bf16* y,
+                                           const bf16* dy, const float* lse, float* scratch, bf16* dq, bf16* dk,
+                                           bf16* dv, const AttentionTensors& a, const AttentionMask& mask,
+                                           cudaStream_t stream) {
+  flash_attention_backward_start(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, stream);
   const size_t smem = flash::kBackwardSharedBytes;
   const dim3 grid(a.T / flash::kTile, a.H);
   flash::set_shared_memory(flash::backward_dq_kernel, smem);
-  flash::backward_dq_kernel<<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, delta, dq, a, mask.device());
+  flash::backward_dq_kernel<<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, scratch, dq, a, mask.device());
   CUDA_CHECK_LAUNCH();
-  flash::set_shared_memory(flash::backward_dkv_kernel, smem);
-  flash::backward_dkv_kernel<<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, delta, dk, dv, a,
-                                                                      mask.device());
+  flash::set_shared_memory(flash::backward_dkv_kernel<false>, smem);
+  flash::backward_dkv_kernel<false><<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, scratch, nullptr, dk, dv,
+                                                                             flash::DqPartialSums{}, a, mask.device());
   CUDA_CHECK_LAUNCH();
 }

@@ -37,6 +37,11 @@ __global__ void rmsnorm_forward_kernel(const bf16* x, bf16* y, int rows, int n, 
   }
 }
 
+// One element of the RMS-norm backward: prev + inv dy - inv^3 x mean(x dy)
+__device__ inline float rmsnorm_backward_element(float prev, float inv, float dy, float x, float mean_dot) {
+  return prev + inv * dy - inv * inv * inv * x * mean_dot;
+}
+
 // dx[rows, n] (+)= d rmsnorm(x) / dx applied to dy: inv * dy - inv^3 * x * mean(x * dy)
 __global__ void rmsnorm_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, float eps,
                                         bool accumulate) {
@@ -60,7 +65,7 @@ __global__ void rmsnorm_backward_kernel(const bf16* x, const bf16* dy, bf16* dx,
     if (col < n) {
       float out[8], prev[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (accumulate) load8(dx + base + col, prev);
-      for (int i = 0; i < 8; ++i) out[i] = prev[i] + inv * gv[k][i] - inv * inv * inv * xv[k][i] * mean_dot;
+      for (int i = 0; i < 8; ++i) out[i] = rmsnorm_backward_element(prev[i], inv, gv[k][i], xv[k][i], mean_dot);
       store8(dx + base + col, out);
     }
   }

@@ -1,4 +1,4 @@
-// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, and sm_90a's wgmma).
+// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, ex2, and sm_90a's wgmma).
 // Kept apart so that the CPU emulator of the tests (tests/emulator/ptx.cuh) can give each one its
 // documented meaning while the kernels around them run unchanged.
 #pragma once
@@ -21,6 +21,14 @@ __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\
 template <int pending_groups_left>
 __device__ inline void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(pending_groups_left) : "memory");
+}
+
+// 2^x on the special-function unit, subnormal inputs and results flushed to zero: one MUFU.EX2
+// (exp2f adds the instructions that keep subnormal results).
+__device__ inline float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // ---- wgmma (sm_90a): a warpgroup's (4 warps, 128 threads) asynchronous matrix product ----------

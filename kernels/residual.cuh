@@ -8,12 +8,15 @@
 #include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
 #include "kernels/matmul.cuh"
+#include "kernels/norms.cuh"
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-constexpr int kScalarReductionBlocks = 264;  // 2 per SM; the scratch holds 2 x this many floats
+constexpr int kScalarReductionBlocks = 264;  // 2 per SM
+// The scalar reductions' scratch: up to 3 sums' per-block partials.
+constexpr size_t kScalarReductionScratchFloats = 3 * kScalarReductionBlocks;
 
 // The scalar reductions' grid: 2 blocks per SM at the record's shapes, fewer where T x d is small
 // (a block per 2048 vectors of 8 at least), so that small problems do not launch idle blocks.
@@ -28,6 +31,9 @@ inline void check_residual_width(int d, int x_stride) {
                                 std::to_string(x_stride) + " must be multiples of 8");
 }
 
+// a x + b y in fp32: one expression, so that the fused pass below rounds as the separate ones do
+__device__ inline float weighted(float a, float x, float b, float y) { return a * x + b * y; }
+
 // out[T, d] = a x[T, d; row stride x_stride] + b y[T, d]; a or b null means 1, y null means no y term
 __global__ void weighted_sum_forward_kernel(const bf16* x, int x_stride, const float* a, const bf16* y, const float* b,
                                             bf16* out, int T, int d) {
@@ -40,7 +46,7 @@ __global__ void weighted_sum_forward_kernel(const bf16* x, int x_stride, const f
     load8(x + t * x_stride + c, xv);
     if (y) load8(y + t * d + c, yv);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) xv[k] = alpha * xv[k] + beta * yv[k];
+    for (int k = 0; k < 8; ++k) xv[k] = weighted(alpha, xv[k], beta, yv[k]);
     store8(out + t * d + c, xv);
   }
 }
@@ -49,6 +55,62 @@ inline void weighted_sum_forward(const bf16* x, const float* a, const bf16* y, c
                                  int x_stride, cudaStream_t stream) {
   check_residual_width(d, x_stride);
   weighted_sum_forward_kernel<<<elementwise_grid(size_t(T) * d / 8), 256, 0, stream>>>(x, x_stride, a, y, b, out, T, d);
+  CUDA_CHECK_LAUNCH();
+}
+
+// A block's input in one pass over its rows, one warp a row: the three separate passes
+// (weighted_sum_forward twice, rmsnorm_forward), their formulas and bf16 roundings, reading each
+// input once (2 of 8 passes over [T, d] fewer, and 2 launches):
+//   x_in    = prev + w skip             (U-net skip: when skip is not null; else x_in is read)
+//   x_mixed = l0 x_in + l1 x0           (the block lambdas)
+//   h       = rmsnorm(x_mixed)          (the attention's or, without attention, the MLP's input)
+__global__ void mix_norm_forward_kernel(const bf16* prev, const bf16* skip, const float* w, bf16* x_in, const bf16* x0,
+                                        const float* l0, const float* l1, bf16* x_mixed, bf16* h, int T, int d,
+                                        float eps) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= T) return;
+  const size_t base = size_t(row) * d;
+  const float skip_weight = skip ? *w : 0.0f, lambda0 = *l0, lambda1 = *l1;
+  float v[kMaxNormVectorsPerLane][8], ss = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+    const int col = (k * 32 + lane) * 8;
+    if (col >= d) continue;
+    float other[8];
+    if (skip) {
+      load8(prev + base + col, v[k]);
+      load8(skip + base + col, other);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[k][i] = round_to_bf16(weighted(1.0f, v[k][i], skip_weight, other[i]));
+      store8(x_in + base + col, v[k]);
+    } else {
+      load8(x_in + base + col, v[k]);
+    }
+    load8(x0 + base + col, other);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[k][i] = round_to_bf16(weighted(lambda0, v[k][i], lambda1, other[i]));
+    store8(x_mixed + base + col, v[k]);
+    for (int i = 0; i < 8; ++i) ss += v[k][i] * v[k][i];
+  }
+  const float inv = rsqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+    const int col = (k * 32 + lane) * 8;
+    if (col >= d) continue;
+    for (int i = 0; i < 8; ++i) v[k][i] *= inv;
+    store8(h + base + col, v[k]);
+  }
+}
+
+// x_in, x_mixed, h [T, d] as above; prev, skip, w all null when the block has no skip (x_in read).
+inline void mix_norm_forward(const bf16* prev, const bf16* skip, const float* w, bf16* x_in, const bf16* x0,
+                             const float* l0, const float* l1, bf16* x_mixed, bf16* h, int T, int d,
+                             cudaStream_t stream, float eps = kRmsEps) {
+  check_norm_width(d);
+  if (!skip != !prev || !skip != !w) throw std::invalid_argument("mix_norm_forward: prev, skip and w go together");
+  const int warps = 8;
+  mix_norm_forward_kernel<<<(T + warps - 1) / warps, warps * 32, 0, stream>>>(prev, skip, w, x_in, x0, l0, l1, x_mixed,
+                                                                             h, T, d, eps);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -100,21 +162,28 @@ __global__ void weighted_sum_backward_kernel(const bf16* dout, const bf16* x, in
   }
 }
 
-// da += sum(partial[0, blocks)), db += sum(partial[blocks, 2 blocks)), each in block order
-__global__ void add_scalar_gradients_kernel(const float* partial, int blocks, float* da, float* db) {
-  float sum_x = 0, sum_y = 0;
-  for (int i = threadIdx.x; i < blocks; i += blockDim.x) sum_x += partial[i], sum_y += partial[blocks + i];
+// da += sum(partial[0, blocks)), db += sum(partial[blocks, 2 blocks)) and, with dc,
+// dc += sum(partial[2 blocks, 3 blocks)), each in block order
+__global__ void add_scalar_gradients_kernel(const float* partial, int blocks, float* da, float* db,
+                                            float* dc = nullptr) {
+  float sum_x = 0, sum_y = 0, sum_z = 0;
+  for (int i = threadIdx.x; i < blocks; i += blockDim.x) {
+    sum_x += partial[i], sum_y += partial[blocks + i];
+    if (dc) sum_z += partial[2 * blocks + i];
+  }
   sum_x = block_sum(sum_x);
   sum_y = block_sum(sum_y);
+  sum_z = block_sum(sum_z);
   if (threadIdx.x == 0) {
     if (da) *da += sum_x;
     if (db) *db += sum_y;
+    if (dc) *dc += sum_z;
   }
 }
 
 // Gradients of out = a x + b y (a or b null: 1): dx (stride x_stride, may alias dout) = a dout, dy (+)= b dout, and
 // the scalar gradients da += sum(dout x), db += sum(dout y) (each skipped when null). scratch holds
-// 2 x kScalarReductionBlocks floats.
+// kScalarReductionScratchFloats floats.
 inline void weighted_sum_backward(const bf16* dout, const bf16* x, const float* a, float* da, const bf16* y,
                                   const float* b, float* db, bf16* dx, bf16* dy, bool accumulate_dy, int T, int d,
                                   int x_stride, float* scratch, cudaStream_t stream) {
@@ -126,6 +195,88 @@ inline void weighted_sum_backward(const bf16* dout, const bf16* x, const float* 
   CUDA_CHECK_LAUNCH();
   if (!da && !db) return;
   add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(scratch, blocks, da, db);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The backward of a block's input (mix_norm_forward), once dh holds the gradient of its norm h, in
+// one pass over the rows, one warp a row, with the separate passes' formulas and bf16 roundings
+// (rmsnorm_backward accumulating into dx, then weighted_sum_backward of the lambda mix and, with
+// the skip, of x_in = prev + w skip):
+//   g    = dx + rmsnorm'(x_mixed) dh      (dx: x_mixed's gradient through the residual so far)
+//   dl0 += sum(g x_in), dl1 += sum(g x0), dx0 += l1 g, dx = l0 g
+//   with the skip: dw += sum(dx skip), dskip = w dx
+// Scalar sums: per-block partials (rows to warps fixed by the grid), then added in block order.
+__global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf16* dx, const bf16* x_in,
+                                         const bf16* x0, const float* l0, const float* l1, bf16* dx0,
+                                         const bf16* skip, const float* w, bf16* dskip, float* partial, int T, int d,
+                                         float eps) {
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const float lambda0 = *l0, lambda1 = *l1, skip_weight = skip ? *w : 0.0f;
+  float dot_in = 0, dot_x0 = 0, dot_skip = 0;
+  for (int row = blockIdx.x * warps + threadIdx.x / 32; row < T; row += gridDim.x * warps) {
+    const size_t base = size_t(row) * d;
+    float xv[kMaxNormVectorsPerLane][8], hv[kMaxNormVectorsPerLane][8], ss = 0, dot = 0;
+#pragma unroll
+    for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+      const int col = (k * 32 + lane) * 8;
+      if (col >= d) continue;
+      load8(x_mixed + base + col, xv[k]);
+      load8(dh + base + col, hv[k]);
+      for (int i = 0; i < 8; ++i) ss += xv[k][i] * xv[k][i], dot += xv[k][i] * hv[k][i];
+    }
+    const float inv = rsqrtf(warp_sum(ss) / d + eps), mean_dot = warp_sum(dot) / d;
+#pragma unroll
+    for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+      const int col = (k * 32 + lane) * 8;
+      if (col >= d) continue;
+      float g[8], other[8];
+      load8(dx + base + col, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) g[i] = round_to_bf16(rmsnorm_backward_element(g[i], inv, hv[k][i], xv[k][i], mean_dot));
+      load8(x_in + base + col, other);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot_in += g[i] * other[i];
+      load8(x0 + base + col, other);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot_x0 += g[i] * other[i];
+      load8(dx0 + base + col, other);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) other[i] += lambda1 * g[i];
+      store8(dx0 + base + col, other);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) g[i] = round_to_bf16(lambda0 * g[i]);
+      store8(dx + base + col, g);
+      if (!skip) continue;
+      load8(skip + base + col, other);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot_skip += g[i] * other[i], other[i] = skip_weight * g[i];
+      store8(dskip + base + col, other);
+    }
+  }
+  dot_in = block_sum(dot_in);
+  dot_x0 = block_sum(dot_x0);
+  dot_skip = block_sum(dot_skip);
+  if (threadIdx.x == 0) {
+    partial[blockIdx.x] = dot_in;
+    partial[gridDim.x + blockIdx.x] = dot_x0;
+    partial[2 * gridDim.x + blockIdx.x] = dot_skip;
+  }
+}
+
+// [T, d] each; skip, w, dw, dskip all null when the block has no skip. scratch:
+// kScalarReductionScratchFloats floats.
+inline void mix_norm_backward(const bf16* x_mixed, const bf16* dh, bf16* dx, const bf16* x_in, const bf16* x0,
+                              const float* l0, float* dl0, const float* l1, float* dl1, bf16* dx0, const bf16* skip,
+                              const float* w, float* dw, bf16* dskip, int T, int d, float* scratch,
+                              cudaStream_t stream, float eps = kRmsEps) {
+  check_norm_width(d);
+  if (!skip != !w || !skip != !dw || !skip != !dskip)
+    throw std::invalid_argument("mix_norm_backward: skip, w, dw and dskip go together");
+  const int warps = 8, blocks = std::min(kScalarReductionBlocks, (T + warps - 1) / warps);
+  mix_norm_backward_kernel<<<blocks, warps * 32, 0, stream>>>(x_mixed, dh, dx, x_in, x0, l0, l1, dx0, skip, w, dskip,
+                                                               scratch, T, d, eps);
+  CUDA_CHECK_LAUNCH();
+  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(scratch, blocks, dl0, dl1, dw);
   CUDA_CHECK_LAUNCH();
 }
 

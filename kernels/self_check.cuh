@@ -5,6 +5,7 @@
 // replaces that path by its reference for the whole run (or stops, with --self-check strict)
 // instead of training silently wrong. The references are the paths the flags select anyway:
 //   flash attention (flash_attention.cuh)      --attention reference: the warp-per-row kernels (attention.cuh)
+//     (the fused backward, or with --attention flash-split the two-kernel one, whichever the run uses)
 //   FP8 lm_head (fp8_head.cuh)                 --bf16-head: bf16 products
 //   the cross-entropy's fused e5m2 gradient    --fp8-gradient cast: bf16 gradient, then a cast
 //   batched Muon (strided cuBLASLt batches)    --muon per-matrix: Newton-Schulz one matrix at a time
@@ -28,11 +29,19 @@
 // Which implementation of each replaceable part of the step a run uses (true: the fast one).
 struct KernelPaths {
   bool flash_attention = true;
+  bool fused_attention_backward = true;  // which flash backward (no path of its own: flash-split is a flag)
   bool fp8_head = true;
   bool fused_e5m2_gradient = true;
   bool batched_muon = true;
   bool fused_residual_add = true;
 };
+
+// The attention backward that a run's paths select.
+using AttentionBackward = decltype(&attention_backward);
+inline AttentionBackward attention_backward_of(const KernelPaths& p) {
+  if (!p.flash_attention) return attention_backward;
+  return p.fused_attention_backward ? flash_attention_backward : flash_attention_backward_split;
+}
 
 // A fast path: its KernelPaths member, its name in the log, the flag that selects its reference,
 // and the test-only fault that gives it a wrong result (kernels/host/faults.h).
@@ -114,10 +123,10 @@ inline double fast_path_error(std::vector<double> fast, const std::vector<double
   return relative_error(fast, ref);
 }
 
-// Flash attention's forward and both backward kernels against the reference kernels on one layout
-// (document ids from `tokens`) and window: the worst of y, dq, dk and dv.
-inline double attention_error(const SelfCheckShape& s, const uint16_t* tokens, uint16_t bos, int window,
-                              cudaStream_t stream) {
+// Flash attention's forward and the backward `in_use` selects against the reference kernels on one
+// layout (document ids from `tokens`) and window: the worst of y, dq, dk and dv.
+inline double attention_error(const SelfCheckShape& s, const KernelPaths& in_use, const uint16_t* tokens, uint16_t bos,
+                              int window, cudaStream_t stream) {
   const int T = s.attention_tokens, H = s.num_heads, d = s.model_dim;
   std::vector<int32_t> docs = attention_document_ids(tokens, T, bos);
   AttentionBlockLists lists = build_attention_blocks(docs, window);
@@ -132,12 +141,13 @@ inline double attention_error(const SelfCheckShape& s, const uint16_t* tokens, u
   std::vector<double> outputs[2][4];  // [flash, reference][y, dq, dk, dv]
   for (int reference = 0; reference < 2; ++reference) {
     DeviceBuffer<bf16> y(n), dq(n), dk(n), dv(n);
-    DeviceBuffer<float> lse(size_t(T) * H), delta(size_t(T) * H);
+    DeviceBuffer<float> lse(size_t(T) * H), scratch(attention_backward_scratch_floats(T, H));
     auto forward = reference ? attention_forward : flash_attention_forward;
-    auto backward = reference ? attention_backward : flash_attention_backward;
+    KernelPaths paths = in_use;
+    paths.flash_attention = !reference;
     forward(q.get(), k.get(), v.get(), y.get(), lse.get(), a, mask, stream);
-    backward(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), delta.get(), dq.get(), dk.get(), dv.get(), a,
-             mask, stream);
+    attention_backward_of(paths)(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(), dq.get(),
+                                 dk.get(), dv.get(), a, mask, stream);
     const DeviceBuffer<bf16>* results[4] = {&y, &dq, &dk, &dv};
     for (int i = 0; i < 4; ++i) outputs[reference][i] = to_double(results[i]->download());
   }
@@ -290,7 +300,7 @@ inline std::vector<SelfCheckResult> run_self_check(const SelfCheckShape& s, cons
     for (int window : {1, 3, 14})
       add_results(results, {{"flash attention, window " + std::to_string(window), &KernelPaths::flash_attention,
                              kBf16PathsBound}},
-                  [&] { return std::vector<double>{attention_error(s, tokens, bos, window, stream)}; });
+                  [&] { return std::vector<double>{attention_error(s, in_use, tokens, bos, window, stream)}; });
   if (in_use.fp8_head) {
     std::vector<CheckSpec> specs = {{"FP8 head logits", &KernelPaths::fp8_head, kFp8ProductBound},
                                     {"FP8 head dx", &KernelPaths::fp8_head, kFp8ProductBound},

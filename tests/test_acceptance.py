@@ -371,6 +371,20 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("--micro-batches 8 --num-iterations 20 --sync-steps --no-validation", programs[1])
         self.assertIn("--micro-batches 1 --num-iterations 60 --val-every 0", programs[2])
 
+    def test_anchor_variants_run_the_trainer_again_with_their_flags_beside_the_record(self):
+        status, report, output = self.acceptance("anchor", gpus=1,
+                                                 ANCHOR_VARIANTS="--attention flash-split;--muon per-matrix --seed 2")
+        self.assertEqual(status, 0, output)
+        programs = self.read(self.calls + ".programs").splitlines()
+        self.assertEqual([p.split()[0] for p in programs], ["train_gpt", "record_pytorch.py", "train_gpt", "train_gpt"] * 2)
+        self.assertTrue(programs[2].endswith("--attention flash-split"), programs[2])
+        self.assertTrue(programs[3].endswith("--muon per-matrix --seed 2"), programs[3])
+        self.assertIn("| M = 8, ours --attention flash-split | 730.0 | 785.0 | 0.930 |", report)
+        self.assertIn("| M = 1, ours --muon per-matrix --seed 2 | 100.0 | 120.0 | 0.833 |", report)
+        self.assertRegex(report, r"\| ours --attention flash-split, M = 8 \| 20 \| \d+ \| 730.0 \|")
+        self.assertTrue(os.path.isdir(os.path.join(os.path.splitext(self.report)[0], "anchor",
+                                                   "ours_M8___attention_flash_split")))
+
     def test_the_anchor_phase_fails_without_a_corpus_or_with_a_failed_run(self):
         os.remove(os.path.join(self.repo, "corpus-bin", "corpus_train_000001.bin"))
         status, report, _ = self.acceptance("anchor", gpus=1)

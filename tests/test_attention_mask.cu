@@ -2,7 +2,9 @@
 // (documents from a few tokens to longer than the sequence, first token a BOS or not, 1 to 40
 // blocks) and every window from 0 to 16 blocks, the kv lists equal the reference's BlockMask
 // construction (tests/reference/attention_mask.h, a literal port of create_blockmasks) and the q
-// lists are their transpose; a sequence that is not whole blocks is refused.
+// lists are their transpose, the query blocks ordered longest first, with each kv block's turn among a query block's kv blocks counting
+// them from the last (the fused backward's order of dq sums); a sequence that is not whole blocks
+// is refused.
 #include "check.h"
 #include "kernels/attention.cuh"
 #include "reference/attention_mask.h"
@@ -16,7 +18,9 @@ namespace {
 constexpr uint16_t kBos = 50256;
 
 // Mismatching query blocks between the kernel's lists and the reference, plus q entries that are
-// not in the kv list they claim.
+// not in the kv list they claim, plus query blocks whose contributors' turns, read in descending
+// kv-block order, are not 0, 1, 2, ..., plus a longest-first order that is no permutation of the
+// query blocks by descending kv count.
 int mismatches(const std::vector<uint16_t>& tokens, int window) {
   std::vector<int32_t> docs = attention_document_ids(tokens.data(), int(tokens.size()), kBos);
   AttentionBlockLists lists = build_attention_blocks(docs, window);
@@ -33,6 +37,20 @@ int mismatches(const std::vector<uint16_t>& tokens, int window) {
       auto begin = lists.kv_index.begin() + size_t(qb) * lists.max_kv;
       bad += std::find(begin, begin + lists.kv_count[qb], kb) == begin + lists.kv_count[qb];
     }
+  std::vector<std::vector<int>> turns(lists.num_blocks);  // per query block, in descending kv-block order
+  for (int kb = lists.num_blocks - 1; kb >= 0; --kb)
+    for (int j = 0; j < lists.q_count[kb]; ++j)
+      turns[lists.q_index[size_t(kb) * lists.max_q + j]].push_back(lists.q_turn[size_t(kb) * lists.max_q + j]);
+  for (int qb = 0; qb < lists.num_blocks; ++qb) {
+    std::vector<int> in_order(lists.kv_count[qb]);
+    for (int i = 0; i < lists.kv_count[qb]; ++i) in_order[i] = i;
+    bad += turns[qb] != in_order;
+  }
+  std::vector<int> order = lists.longest_first;
+  bad += order.size() != size_t(lists.num_blocks);
+  for (size_t i = 1; i < order.size(); ++i) bad += lists.kv_count[order[i - 1]] < lists.kv_count[order[i]];
+  std::sort(order.begin(), order.end());
+  for (int qb = 0; qb < int(order.size()); ++qb) bad += order[qb] != qb;
   return bad;
 }
 

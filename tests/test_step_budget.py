@@ -37,6 +37,7 @@ class StepBudgetTest(unittest.TestCase):
                    ("kernel", 160, 170, 7, "attention_delta_kernel(const __nv_bfloat16*)"),
                    ("kernel", 170, 180, 7, "void weighted_sum_backward_kernel(const __nv_bfloat16*)"),
                    ("kernel", 180, 185, 7, "add_scalar_gradients_kernel(const float*, int, float*, float*)"),
+                   ("kernel", 186, 190, 7, "mix_norm_backward_kernel(const __nv_bfloat16*)"),
                    ("memset", 185, 186, 7, "4 bytes"),
                    ("kernel", 500, 600, 7, "void add_into_kernel(const __nv_bfloat16*)")]  # after the range
         ceilings = {"copy": 4.0, "bf16": 800.0, "fp8": 1600.0}
@@ -46,7 +47,10 @@ class StepBudgetTest(unittest.TestCase):
         self.assertEqual(by_op["bf16 matmuls"][:2], (1, 100))
         self.assertEqual(by_op["FP8 head products"][:2], (1, 50))
         self.assertEqual(by_op["attention backward"][:2], (2, 20))
-        self.assertEqual(by_op["residual and value mixes backward"][:2], (2, 15))
+        self.assertEqual(by_op["value mixes backward"][:2], (2, 15))
+        self.assertEqual(by_op["a block's input backward"][:2], (1, 4))
+        # 8 x (6 layers with the skip x 20 + 6 without x 16) bytes x T x d at 4 TB/s
+        self.assertAlmostEqual(by_op["a block's input backward"][2], 8 * (6 * 20 + 6 * 16) * 49152 * 768 / 4e12 * 1e9)
         self.assertEqual(by_op["add_into"][:2], (0, 0))
         self.assertEqual(by_op["other"][:2], (1, 1))
         # attention backward: 8 micro-sequences x 2.5 x 4 x 128 x 6 x 1e8 pairs at 800 TFLOP/s

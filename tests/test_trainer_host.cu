@@ -113,7 +113,15 @@ TEST_CASE("the fast paths' flags select their references; the self-check's modes
   CHECK(parsed({}).self_check == "fallback" && !parsed({}).self_check_only);
   CHECK(parsed({"--self-check", "strict", "--self-check-only"}).self_check_only);
   CHECK_THROWS_WITH(parse_only({"--self-check", "on"}), "--self-check = on: must be fallback, strict or off");
-  CHECK_THROWS_WITH(parse_only({"--attention", "fast"}), "--attention = fast: must be flash or reference");
+  CHECK_THROWS_WITH(parse_only({"--attention", "fast"}),
+                    "--attention = fast: must be flash, flash-split or reference");
+  // flash-split: the flash forward with the two-kernel backward instead of the fused one
+  CHECK(fast.fused_attention_backward);
+  KernelPaths split = paths_of(parsed({"--attention", "flash-split"}));
+  CHECK(split.flash_attention && !split.fused_attention_backward);
+  CHECK(attention_backward_of(split) == flash_attention_backward_split);
+  CHECK(attention_backward_of(fast) == flash_attention_backward);
+  CHECK(attention_backward_of(references) == attention_backward);
   CHECK_THROWS_WITH(parse_only({"--muon", "single"}), "--muon = single: must be batched or per-matrix");
   // Every fast path's reference flag, as the self-check's fallback line names it, is a flag here.
   for (const FastPath& p : fast_paths()) {

@@ -12,7 +12,9 @@
 #   anchor      record #25's own PyTorch code beside the trainer on this GPU, the trainer first: 20
 #               steps at M = 8 and 60 at M = 1 on the offline corpus, each program's mean step, and
 #               the ratio (tools/record_pytorch.py; the corpus and the record's file staged by
-#               tools/corpus_run.sh stage)
+#               tools/corpus_run.sh stage); ANCHOR_VARIANTS="flags;flags..." adds runs of the
+#               trainer with those flags after its own, each in the table (e.g. a kernel's previous
+#               version behind a flag, measured in the same call)
 #   profile     every kernel's time in step 5 of 6 at M = 8, the trainer's and the record code's
 #               (tools/kernel_profile.so through --profile-step; tools/profile_summary.py), and where
 #               ncu reads hardware counters, those of the attention and cross-entropy kernels
@@ -358,12 +360,27 @@ step_times_ms() {
 
 anchor_skip=2  # timed steps left out of the mean besides each program's untimed warm-up
 
+# anchor_run <who> <M> <N> <folder> [flags...]: runs the program (run_program) and prints its
+# table cell: the mean step, or FAILED and why (status 1).
+anchor_run() {
+  local dir=$4 status times
+  run_program "$@"
+  status=$?
+  times=$(step_times_ms "$(run_log "$dir")" "$anchor_skip")
+  if ((status != 0)) || [[ -z $times ]]; then
+    echo "FAILED: exit $status$([[ -n $times ]] || echo ", no step lines") (${dir#"$logs"/}/console.txt)"
+    return 1
+  fi
+  echo "${times##* }"
+}
+
 phase_anchor() {
   need_gpu || return 77
   build_targets train_gpt || return 1
   need_corpus || return 1
   record=$(anchor_record) || return 1
-  local run M N who dir start status times mean means failed=0 rows=()
+  local run M N who start mean means failed=0 rows=() variant variants=() flags label
+  IFS=';' read -ra variants <<<"${ANCHOR_VARIANTS:-}"
   say "" "The trainer and record #25's own code (\`$record\`, run by tools/record_pytorch.py: M batches of its" \
     "own loader per step, each \`(loss / M).backward()\`, its step lines synchronised as the trainer's are, no" \
     "validation) on this GPU, one after the other, the trainer first; each over the window schedule of its N steps" \
@@ -373,23 +390,27 @@ phase_anchor() {
   for run in "8 20" "1 60"; do
     M=${run% *} N=${run#* } means=()
     for who in ours record; do
-      dir=$logs/anchor/${who}_M$M start=$SECONDS
-      run_program "$who" "$M" "$N" "$dir"
-      status=$?
-      times=$(step_times_ms "$(run_log "$dir")" "$anchor_skip")
-      mean=${times##* }
-      if ((status != 0)) || [[ -z $times ]]; then
-        mean="FAILED: exit $status$([[ -n $times ]] || echo ", no step lines") (anchor/${who}_M$M/console.txt)"
-        times="" failed=1
-      fi
+      start=$SECONDS
+      mean=$(anchor_run "$who" "$M" "$N" "$logs/anchor/${who}_M$M") || failed=1
       say "| $who, M = $M | $N | $((SECONDS - start)) | $mean |"
-      means+=("${times:+$mean}")
+      means+=("$([[ $mean == FAILED* ]] || echo "$mean")")
     done
     if [[ -n ${means[0]} && -n ${means[1]} ]]; then
       rows+=("| M = $M | ${means[0]} | ${means[1]} | $(awk -v a="${means[0]}" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
     else
       rows+=("| M = $M | ${means[0]:-failed} | ${means[1]:-failed} | - |")
     fi
+    for variant in "${variants[@]}"; do
+      read -ra flags <<<"$variant"
+      ((${#flags[@]})) || continue
+      label="ours ${flags[*]}" start=$SECONDS
+      mean=$(anchor_run ours "$M" "$N" "$logs/anchor/ours_M${M}_$(echo "${flags[*]}" | tr -c 'A-Za-z0-9\n' _)" \
+        "${flags[@]}") || failed=1
+      say "| $label, M = $M | $N | $((SECONDS - start)) | $mean |"
+      if [[ $mean != FAILED* && -n ${means[1]} ]]; then
+        rows+=("| M = $M, $label | $mean | ${means[1]} | $(awk -v a="$mean" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
+      fi
+    done
   done
   say "" "Side by side on $(nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader |
     head -1 | cut -d, -f2 | sed 's/^ *//'), $(date +%F) (mean step," \

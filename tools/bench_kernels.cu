@@ -356,7 +356,7 @@ void bench_step_rest(const Peaks& peaks) {
       2.0 * T * D + 8.0 * distinct * D + 4.0 * (T + 3 * plan.segments()), 0, peaks);
   std::vector<float> host_scalars = {0.7f, 0.3f, 0.0f, 0.0f};
   float* scalars = device_alloc<float>(host_scalars.size());
-  float* mix_scratch = device_alloc<float>(2 * kScalarReductionBlocks);
+  float* mix_scratch = device_alloc<float>(kScalarReductionScratchFloats);
   CUDA_CHECK(cudaMemcpy(scalars, host_scalars.data(), host_scalars.size() * sizeof(float), cudaMemcpyHostToDevice));
   row("mix fwd a x + b y [49152, 768]",
       median_ms([&] { weighted_sum_forward(x, scalars, y, scalars + 1, out, T, D, D, 0); }), 3.0 * T * D * 2, 0, peaks);
@@ -388,7 +388,7 @@ void bench_attention(const Peaks& peaks) {
   bf16 *v = random_bf16(size_t(T) * D, 1.0f, 12), *dy = random_bf16(size_t(T) * D, 1.0f, 13);
   bf16 *y = device_alloc<bf16>(size_t(T) * D), *dq = device_alloc<bf16>(size_t(T) * D);
   bf16 *dk = device_alloc<bf16>(size_t(T) * D), *dv = device_alloc<bf16>(size_t(T) * D);
-  float *lse = device_alloc<float>(size_t(T) * H), *delta = device_alloc<float>(size_t(T) * H);
+  float *lse = device_alloc<float>(size_t(T) * H), *scratch = device_alloc<float>(attention_backward_scratch_floats(T, H));
   AttentionTensors a{T, H, D, D, D};
   StagedUploads uploads;
   for (int window : {1, 2, 4, 7, 10, 14}) {
@@ -405,18 +405,22 @@ void bench_attention(const Peaks& peaks) {
     std::snprintf(name, sizeof name, "flash attention fwd, window %2d blocks", window);
     row(name, median_ms([&] { flash_attention_forward(q, k, v, y, lse, a, mask, 0); }), 0, fwd_flops, peaks);
     std::snprintf(name, sizeof name, "flash attention bwd, window %2d blocks", window);
-    row(name, median_ms([&] { flash_attention_backward(q, k, v, y, dy, lse, delta, dq, dk, dv, a, mask, 0); }), 0,
+    row(name, median_ms([&] { flash_attention_backward(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0); }), 0,
+        2.5 * fwd_flops, peaks);
+    std::snprintf(name, sizeof name, "flash attention bwd split, window %2d", window);
+    row(name,
+        median_ms([&] { flash_attention_backward_split(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0); }), 0,
         2.5 * fwd_flops, peaks);
     if (window == 14) {
       row("baseline attention fwd, window 14", median_ms([&] { attention_forward(q, k, v, y, lse, a, mask, 0); }), 0,
           fwd_flops, peaks);
       row("baseline attention bwd, window 14",
-          median_ms([&] { attention_backward(q, k, v, y, dy, lse, delta, dq, dk, dv, a, mask, 0); }), 0, 2.5 * fwd_flops,
+          median_ms([&] { attention_backward(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0); }), 0, 2.5 * fwd_flops,
           peaks);
     }
   }
   for (void* b : {(void*)q, (void*)k, (void*)v, (void*)dy, (void*)y, (void*)dq, (void*)dk, (void*)dv, (void*)lse,
-                  (void*)delta})
+                  (void*)scratch})
     cudaFree(b);
 }
 

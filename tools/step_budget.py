@@ -29,6 +29,7 @@ import profile_summary  # noqa: E402
 T, D, F, V, H, HEAD_DIM, LAYERS = 49152, 768, 3072, 50304, 6, 128, 12
 ATTENTION_LAYERS = [i for i in range(LAYERS) if i != 7]  # the record's layer 7 has no attention
 LONG_LAYERS = {0, 4, 11}                                 # the others attend over half the window
+SKIPS = LAYERS // 2                                      # the U-net skips: the second half's inputs
 EMBED_TABLES = 4                                         # the token embedding and 3 value embeddings
 BLOCK, MAX_WINDOW_TOKENS, EOT = 128, 1728, 50256
 NEWTON_SCHULZ_STEPS = 5
@@ -90,16 +91,21 @@ def ops(pairs_per_micro, distinct_tokens, micro_batches):
          M * 3 * T * V, "copy"),
         ("FP8 casts: x and x^T per chunk, the gradient's transpose, w once", r"^fp8_quantize_kernel$", 0,
          M * (4 * td + 2 * T * V) + 6 * V * D, "copy"),
-        ("RMS norm forward (25 a micro-sequence)", r"^rmsnorm_forward_kernel$", 0, M * 25 * 4 * td, "copy"),
-        ("RMS norm backward, accumulating", r"^rmsnorm_backward_kernel$", 0, M * 25 * 8 * td, "copy"),
+        ("a block's input: skip, lambda mix, RMS norm in one pass (12)", r"^mix_norm_forward_kernel$", 0,
+         M * (SKIPS * 12 + (LAYERS - SKIPS) * 8) * td, "copy"),
+        ("RMS norm forward (13 a micro-sequence)", r"^rmsnorm_forward_kernel$", 0, M * 13 * 4 * td, "copy"),
+        ("RMS norm backward, accumulating (13 a micro-sequence)", r"^rmsnorm_backward_kernel$", 0, M * 13 * 8 * td,
+         "copy"),
+        ("a block's input backward: RMS norm, lambda mix, skip in one pass (12)", r"^mix_norm_backward_kernel$", 0,
+         M * (SKIPS * 20 + (LAYERS - SKIPS) * 16) * td, "copy"),
         ("ReLU² forward", r"^relu_squared_forward_kernel$", 0, M * LAYERS * 4 * tf, "copy"),
         ("ReLU² backward", r"^relu_squared_backward_kernel$", 0, M * LAYERS * 6 * tf, "copy"),
         ("QK norm + RoPE forward", r"^qk_norm_rope_forward_kernel$", 0, M * len(ATTENTION_LAYERS) * 8 * td, "copy"),
         ("QK norm + RoPE backward", r"^qk_norm_rope_backward_kernel$", 0, M * len(ATTENTION_LAYERS) * 12 * td,
          "copy"),
-        ("residual and value mixes forward (29)", r"^weighted_sum_forward_kernel$", 0, M * 29 * 6 * td, "copy"),
-        ("residual and value mixes backward (29; scalar sums)", r"^(weighted_sum_backward|add_scalar_gradients)",
-         0, M * 29 * 12 * td, "copy"),
+        ("value mixes forward (11)", r"^weighted_sum_forward_kernel$", 0, M * 11 * 6 * td, "copy"),
+        ("value mixes backward (11; the scalar sums of all mixes)", r"^(weighted_sum_backward|add_scalar_gradients)",
+         0, M * 11 * 12 * td, "copy"),
         ("add_into (skips, x0)", r"^add_into_kernel$", 0, M * 7 * 6 * td, "copy"),
         ("embedding forward", r"^embedding_forward_kernel$", 0, M * EMBED_TABLES * 4 * td, "copy"),
         ("embedding backward (7 a micro-sequence)", r"^embedding_(backward|segment|split)_kernel$", 0,

@@ -23,6 +23,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <tuple>
@@ -188,11 +190,28 @@ T __shfl_sync(unsigned, T v, int src_lane, int = 32) {
   return ::emu::shuffle(v, src_lane);
 }
 
-// Integer atomics (the kernels use no float ones): the builtins also order kernels of concurrent
+// Integer atomics: the builtins also order kernels of concurrent
 // host threads (simulated ranks) that share a counter.
 template <typename T>
 T atomicAdd(T* address, T value) {
   return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+
+// The fused attention backward's fp32 sums in a fixed order (flash::DqPartialSums): a red of two
+// floats, loads and stores that bypass L1, and the counter's fence and polling. Blocks run one
+// after another here, so a turn is either there at once or never (then the kernel traps).
+inline float2 atomicAdd(float2* address, float2 value) {
+  const float2 before = *address;
+  *address = make_float2(before.x + value.x, before.y + value.y);
+  return before;
+}
+inline float2 __ldcg(const float2* p) { return *p; }
+inline void __stcg(float2* p, float2 v) { *p = v; }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __nanosleep(unsigned) {}
+[[noreturn]] inline void __trap() {
+  std::fprintf(stderr, "CUDA emulator: a kernel trapped (__trap)\n");
+  std::abort();
 }
 
 inline float __expf(float x) { return std::exp(x); }

@@ -148,18 +148,28 @@ cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
 }
+// Few SMs: a persistent grid (the flash forward's, one CTA per SM) then walks several items per CTA
+// at the tests' shapes, as it does on a GPU at the record's.
+constexpr int kEmulatedMultiprocessors = 8;
+
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   if (device != 0) return cudaErrorInvalidDevice;
   *prop = cudaDeviceProp{};
   std::strcpy(prop->name, "CUDA emulator (H100-like)");
   prop->major = 9;
   prop->minor = 0;
-  prop->multiProcessorCount = 132;
+  prop->multiProcessorCount = kEmulatedMultiprocessors;
   prop->totalGlobalMem = kDeviceBytes;
   prop->sharedMemPerBlock = kDefaultDynamicShared;
   prop->sharedMemPerBlockOptin = kMaxDynamicShared;
   prop->maxThreadsPerBlock = 1024;
   prop->warpSize = 32;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+  if (device != 0) return cudaErrorInvalidDevice;
+  if (attribute != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;  // the only one asked
+  *value = kEmulatedMultiprocessors;
   return cudaSuccess;
 }
 cudaError_t cudaRuntimeGetVersion(int* version) {

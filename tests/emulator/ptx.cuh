@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -35,6 +36,14 @@ inline float bf16_bits_to_float(uint16_t bits) {
   float f;
   std::memcpy(&f, &word, 4);
   return f;
+}
+
+// ex2.approx.ftz.f32: 2^x with subnormal inputs and results flushed to (signed) zero; std::exp2 is
+// exact where the GPU's approximation is within 2 ulp.
+inline float exp2_ftz(float x) {
+  if (std::fpclassify(x) == FP_SUBNORMAL) x = std::copysign(0.0f, x);
+  const float y = std::exp2(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
 }
 
 inline uint32_t shared_address(const void* p) { return ::emu::shared_window_address(p); }

@@ -17,8 +17,8 @@ namespace fixture {
 // largest deviations (2-4e-3 absolute) on the x_in lambdas of layers 3-11.
 constexpr double kScalarGradBound = 5e-2;
 
-inline double grad_bound_of(const Param& p, double matrix_bound) {
-  return p.name == "scalars" ? std::max(matrix_bound, kScalarGradBound) : matrix_bound;
+inline double grad_bound_of(const Param& p, double matrix_bound, double scalar_bound = kScalarGradBound) {
+  return p.name == "scalars" ? std::max(matrix_bound, scalar_bound) : matrix_bound;
 }
 
 inline GPTConfig gpu_config() {

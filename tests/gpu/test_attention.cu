@@ -1,7 +1,8 @@
 // Attention against the CPU reference (the block lists themselves: tests/test_attention_mask.cu):
-// the flash kernels' wgmma products alone, then forward (y) and backward (dq, dk, dv) of both
-// implementations (the warp-per-row baseline and the tensor-core flash kernels) on random layouts
-// for every window size 1..14, long and short (W/2).
+// the flash kernels' wgmma products alone, then forward (y) and backward (dq, dk, dv) of the
+// implementations (the warp-per-row baseline, the tensor-core flash kernels with the fused backward
+// and with the two-kernel one) on random layouts for every window size 1..14, long and short (W/2);
+// the fused backward bitwise the same on a second run.
 #include "gpu/gpu_test.h"
 #include "kernels/attention.cuh"
 #include "kernels/flash_attention.cuh"
@@ -9,6 +10,7 @@
 #include "reference/synthetic.h"
 
 #include <cstring>
+#include <memory>
 #include <string>
 
 namespace {
@@ -61,7 +63,24 @@ double error_on_scale(const std::vector<double>& got, const std::vector<double>&
   return norm(difference) / scale;
 }
 
-enum class Implementation { baseline, flash };
+// The attention mask of a token layout (documents from its BOS tokens) and window, with the
+// staged uploads that hold its device copy.
+struct LayoutMask {
+  std::vector<int32_t> docs;
+  StagedUploads uploads;
+  std::unique_ptr<AttentionMask> mask;
+  LayoutMask(const std::vector<uint16_t>& tokens, int window)
+      : docs(attention_document_ids(tokens.data(), int(tokens.size()), kBos)) {
+    AttentionBlockLists lists = build_attention_blocks(docs, window);
+    uploads.reset(AttentionMask::upload_bytes(docs, lists));
+    mask = std::make_unique<AttentionMask>(docs, lists, uploads, cudaStream_t{});
+  }
+};
+
+enum class Implementation { baseline, flash, flash_split };
+const char* name_of(Implementation impl) {
+  return impl == Implementation::baseline ? "baseline" : impl == Implementation::flash ? "flash" : "split";
+}
 
 // Inputs: Gaussian q and k (std 0.6: scores of std ~0.5), or as the model makes them, each head's
 // q and k RMS-normalised, k close to q of the same token: scores up to 0.12 * 128 = 15 on the
@@ -81,11 +100,9 @@ void rms_normalise_heads(std::vector<double>& x) {
 void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t seed, bool verbose,
                      Implementation impl, int H, Scores scores) {
   const int T = int(tokens.size());
-  std::vector<int32_t> docs = attention_document_ids(tokens.data(), T, kBos);
-  AttentionBlockLists lists = build_attention_blocks(docs, window);
-  StagedUploads uploads;
-  uploads.reset(AttentionMask::upload_bytes(docs, lists));
-  AttentionMask mask(docs, lists, uploads, 0);
+  const LayoutMask layout_mask(tokens, window);
+  const AttentionMask& mask = *layout_mask.mask;
+  const std::vector<int32_t>& docs = layout_mask.docs;
   std::vector<double> q = random_normal(size_t(T) * H * D, seed, 0.6), k = random_normal(q.size(), seed + 1, 0.6);
   if (scores == Scores::qk_normed) {
     for (size_t i = 0; i < q.size(); ++i) k[i] = q[i] + 0.3 * k[i];
@@ -98,13 +115,16 @@ void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t s
   std::vector<double> dy = rounded_to_bf16(random_normal(q.size(), seed + 3));
   DeviceBuffer<bf16> dq_in(to_bf16(q)), dk_in(to_bf16(k)), dv_in(to_bf16(v)), ddy(to_bf16(dy));
   DeviceBuffer<bf16> y(q.size()), dq(q.size()), dk(q.size()), dv(q.size());
-  DeviceBuffer<float> lse(size_t(T) * H), delta(size_t(T) * H);
+  DeviceBuffer<float> lse(size_t(T) * H), scratch(attention_backward_scratch_floats(T, H));
   for (auto* b : {&y, &dq, &dk, &dv}) b->poison();
+  scratch.poison();
   AttentionTensors a{T, H, H * D, H * D, H * D};
-  auto forward = impl == Implementation::flash ? flash_attention_forward : attention_forward;
-  auto backward = impl == Implementation::flash ? flash_attention_backward : attention_backward;
+  auto forward = impl == Implementation::baseline ? attention_forward : flash_attention_forward;
+  auto backward = impl == Implementation::baseline ? attention_backward
+                  : impl == Implementation::flash  ? flash_attention_backward
+                                                   : flash_attention_backward_split;
   forward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), lse.get(), a, mask, 0);
-  backward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), ddy.get(), lse.get(), delta.get(), dq.get(), dk.get(),
+  backward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), ddy.get(), lse.get(), scratch.get(), dq.get(), dk.get(),
            dv.get(), a, mask, 0);
   std::vector<int> ref_docs(docs.begin(), docs.end());
   Reference r = reference(q, k, v, dy, attention_allowed(ref_docs, kAttentionBlock, window), T, H,
@@ -114,8 +134,7 @@ void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t s
                       error_on_scale(to_double(dk.download()), r.dk, r.dk_scale),
                       relative_error(to_double(dv.download()), r.dv)};
   if (verbose)
-    std::printf("  %-8s T %5d H %d window %2d%s: y %.2e dq %.2e dk %.2e dv %.2e\n",
-                impl == Implementation::flash ? "flash" : "baseline", T, H, window,
+    std::printf("  %-8s T %5d H %d window %2d%s: y %.2e dq %.2e dk %.2e dv %.2e\n", name_of(impl), T, H, window,
                 scores == Scores::qk_normed ? " qk-normed" : "", errors[0], errors[1], errors[2], errors[3]);
   for (double e : errors) CHECK(e <= kBf16Bound);
 }
@@ -131,7 +150,10 @@ void check_both(const std::vector<uint16_t>& tokens, int window, uint64_t seed, 
 // Every window on a GPU; on the CI-sized emulation the smallest, the largest and two between
 // (the baseline, whose scores each cost a warp-wide sum, stops below the whole sequence).
 std::vector<int> windows_to_check(Implementation impl) {
-  if (emulating_a_subset()) return impl == Implementation::flash ? std::vector<int>{1, 2, 7, 14} : std::vector<int>{1, 3};
+  if (emulating_a_subset()) {
+    if (impl == Implementation::flash) return {1, 2, 7, 14};
+    return impl == Implementation::flash_split ? std::vector<int>{3, 14} : std::vector<int>{1, 3};
+  }
   std::vector<int> all;
   for (int window = 1; window <= 14; ++window) all.push_back(window);
   return all;
@@ -212,6 +234,10 @@ TEST_CASE("flash: forward and backward match the reference for windows 1..14, lo
   check_windows(Implementation::flash);
 }
 
+TEST_CASE("flash with the two-kernel backward (--attention flash-split): the same") {
+  check_windows(Implementation::flash_split);
+}
+
 TEST_CASE("baseline: forward and backward match the reference for windows 1..14, long and short") {
   check_windows(Implementation::baseline);
 }
@@ -238,14 +264,11 @@ TEST_CASE("single document, documents on block boundaries, a 16-block sequence, 
 TEST_CASE("flash attention refuses each tensor one element off its alignment, naming it") {
   const int T = 2 * kAttentionBlock, H = 1;
   const std::vector<uint16_t> tokens = layout(T, 100.0, 500);
-  std::vector<int32_t> docs = attention_document_ids(tokens.data(), T, kBos);
-  AttentionBlockLists lists = build_attention_blocks(docs, 2);
-  StagedUploads uploads;
-  uploads.reset(AttentionMask::upload_bytes(docs, lists));
-  AttentionMask mask(docs, lists, uploads, 0);
+  const LayoutMask layout_mask(tokens, 2);
+  const AttentionMask& mask = *layout_mask.mask;
   const size_t n = size_t(T) * H * D + 1, statistics = size_t(T) * H + 1;  // room for one element off
   DeviceBuffer<bf16> q(n), k(n), v(n), y(n), dy(n), dq(n), dk(n), dv(n);
-  DeviceBuffer<float> lse(statistics), delta(statistics);
+  DeviceBuffer<float> lse(statistics), scratch(attention_backward_scratch_floats(T, H) + 1);
   const AttentionTensors a{T, H, H * D, H * D, H * D};
   // `buffer` one element past its start if it is the one named `off`.
   auto at = [](auto& buffer, const char* name, const char* off) { return buffer.get() + (std::strcmp(name, off) == 0); };
@@ -255,12 +278,45 @@ TEST_CASE("flash attention refuses each tensor one element off its alignment, na
                                               lse.get(), a, mask, 0),
                       refusal.c_str());
   }
-  for (const char* off : {"q", "k", "v", "dy", "lse", "delta", "dq", "dk", "dv"}) {
-    const std::string refusal = std::string("flash attention: ") + off + " must start";
-    CHECK_THROWS_WITH(flash_attention_backward(at(q, "q", off), at(k, "k", off), at(v, "v", off), y.get(),
-                                               at(dy, "dy", off), at(lse, "lse", off), at(delta, "delta", off),
-                                               at(dq, "dq", off), at(dk, "dk", off), at(dv, "dv", off), a, mask, 0),
-                      refusal.c_str());
+  for (auto backward : {flash_attention_backward, flash_attention_backward_split})
+    for (const char* off : {"q", "k", "v", "dy", "lse", "scratch", "dq", "dk", "dv"}) {
+      const std::string refusal = std::string("flash attention: ") + off + " must start";
+      CHECK_THROWS_WITH(backward(at(q, "q", off), at(k, "k", off), at(v, "v", off), y.get(), at(dy, "dy", off),
+                                 at(lse, "lse", off), at(scratch, "scratch", off), at(dq, "dq", off), at(dk, "dk", off),
+                                 at(dv, "dv", off), a, mask, 0),
+                        refusal.c_str());
+    }
+}
+
+// The fused backward sums dq's contributions across CTAs in a fixed order (DqPartialSums): two runs
+// on the same inputs give the same bits, at the record's window (up to 14 contributors a block) and
+// 6 heads; dk and dv too. On a GPU the CTAs' timing differs between the runs; the emulator runs
+// them in one order, so there this checks only that nothing reads unwritten scratch.
+TEST_CASE("the fused backward's dq, dk and dv are bitwise the same on a second run (window 14)") {
+  const int T = 128 * (emulating_a_subset() ? 16 : 64), H = 6;
+  const std::vector<uint16_t> tokens = layout(T, 600.0, 700);
+  const LayoutMask layout_mask(tokens, 14);
+  const AttentionMask& mask = *layout_mask.mask;
+  const size_t n = size_t(T) * H * D;
+  DeviceBuffer<bf16> q(to_bf16(random_normal(n, 701, 0.6))), k(to_bf16(random_normal(n, 702, 0.6))),
+      v(to_bf16(random_normal(n, 703))), dy(to_bf16(random_normal(n, 704))), y(n);
+  DeviceBuffer<float> lse(size_t(T) * H), scratch(attention_backward_scratch_floats(T, H));
+  const AttentionTensors a{T, H, H * D, H * D, H * D};
+  flash_attention_forward(q.get(), k.get(), v.get(), y.get(), lse.get(), a, mask, 0);
+  std::vector<bf16> runs[2][3];
+  for (auto& run : runs) {
+    DeviceBuffer<bf16> dq(n), dk(n), dv(n);
+    for (auto* b : {&dq, &dk, &dv}) b->poison();
+    scratch.poison();
+    flash_attention_backward(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(), dq.get(), dk.get(),
+                             dv.get(), a, mask, 0);
+    run[0] = dq.download(), run[1] = dk.download(), run[2] = dv.download();
+  }
+  const char* names[3] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 3; ++i) {
+    const bool same = std::memcmp(runs[0][i].data(), runs[1][i].data(), n * sizeof(bf16)) == 0;
+    std::printf("  %s of two runs: %s\n", names[i], same ? "bitwise the same" : "DIFFERENT");
+    CHECK(same);
   }
 }
 

@@ -75,7 +75,7 @@ void check_weighted_sum(int T, int d, int x_stride, uint64_t seed) {
   DeviceBuffer<bf16> dx(to_bf16(in.x)), dy(to_bf16(in.dy_prior));  // dx: the strided buffer, partly overwritten
   const float da_prior = 1.5f, db_prior = -2.25f;
   DeviceBuffer<float> scalars(std::vector<float>{in.a, in.b, da_prior, db_prior});
-  DeviceBuffer<float> scratch(2 * kScalarReductionBlocks);
+  DeviceBuffer<float> scratch(kScalarReductionScratchFloats);
   out.poison();
   const float *a = scalars.get(), *b = scalars.get() + 1;
   float *da = scalars.get() + 2, *db = scalars.get() + 3;
@@ -123,7 +123,7 @@ TEST_CASE("weighted sum without a or y; in-place unit dx; dy written, not accumu
   std::vector<double> skip = rounded_to_bf16(random_normal(size_t(T) * d, 21));
   std::vector<double> dout = rounded_to_bf16(random_normal(size_t(T) * d, 22));
   DeviceBuffer<bf16> dx(to_bf16(x)), dskip(to_bf16(skip)), out(size_t(T) * d), dgrad(to_bf16(dout)), dy(size_t(T) * d);
-  DeviceBuffer<float> w(std::vector<float>{0.625f, 0.0f}), scratch(2 * kScalarReductionBlocks);
+  DeviceBuffer<float> w(std::vector<float>{0.625f, 0.0f}), scratch(kScalarReductionScratchFloats);
   out.poison();
   dy.poison();
   weighted_sum_forward(dx.get(), nullptr, dskip.get(), w.get(), out.get(), T, d, d, 0);
@@ -143,6 +143,113 @@ TEST_CASE("weighted sum without a or y; in-place unit dx; dy written, not accumu
   CHECK_REL_ERROR(dy_gpu, dy_ref, kBf16Bound);
   CHECK(dx_gpu == dout);  // a unit in-place dx is left as it is
   CHECK_NEAR(w.download()[1], dw_ref, 1e-4 * std::fabs(dw_ref));
+}
+
+// The fused pass of a block's input against double loops that round to bf16 where the separate
+// passes store: x_in = prev + w skip, x_mixed = l0 x_in + l1 x0, h = rmsnorm(x_mixed); with the
+// skip and without (x_in read), at the model's width and a narrower one with unused lanes.
+void check_mix_norm(int T, int d, bool with_skip, uint64_t seed) {
+  std::printf("  mix + norm T=%d d=%d %s\n", T, d, with_skip ? "with the skip" : "without");
+  const size_t n = size_t(T) * d;
+  std::vector<double> prev = rounded_to_bf16(random_normal(n, seed)), skip = rounded_to_bf16(random_normal(n, seed + 1));
+  std::vector<double> x0 = rounded_to_bf16(random_normal(n, seed + 2));
+  const float w = 0.625f, l0 = 0.9f, l1 = 0.35f;
+  DeviceBuffer<bf16> dprev(to_bf16(prev)), dskip(to_bf16(skip)), dx0(to_bf16(x0)), x_in(to_bf16(prev)), x_mixed(n),
+      h(n);
+  DeviceBuffer<float> scalars(std::vector<float>{w, l0, l1});
+  x_mixed.poison();
+  h.poison();
+  std::vector<double> x_in_ref = prev;
+  if (with_skip) {
+    x_in.poison();
+    for (size_t i = 0; i < n; ++i) x_in_ref[i] = prev[i] + double(w) * skip[i];
+    x_in_ref = rounded_to_bf16(x_in_ref);
+    mix_norm_forward(dprev.get(), dskip.get(), scalars.get(), x_in.get(), dx0.get(), scalars.get() + 1,
+                     scalars.get() + 2, x_mixed.get(), h.get(), T, d, 0);
+  } else {  // x_in is the input
+    mix_norm_forward(nullptr, nullptr, nullptr, x_in.get(), dx0.get(), scalars.get() + 1, scalars.get() + 2,
+                     x_mixed.get(), h.get(), T, d, 0);
+  }
+  std::vector<double> mixed_ref(n), h_ref(n);
+  for (size_t i = 0; i < n; ++i) mixed_ref[i] = double(l0) * x_in_ref[i] + double(l1) * x0[i];
+  mixed_ref = rounded_to_bf16(mixed_ref);
+  for (int t = 0; t < T; ++t) {
+    double ss = 0;
+    for (int c = 0; c < d; ++c) ss += mixed_ref[size_t(t) * d + c] * mixed_ref[size_t(t) * d + c];
+    const double inv = 1 / std::sqrt(ss / d + kRmsEps);
+    for (int c = 0; c < d; ++c) h_ref[size_t(t) * d + c] = mixed_ref[size_t(t) * d + c] * inv;
+  }
+  std::vector<double> x_in_gpu = to_double(x_in.download()), mixed_gpu = to_double(x_mixed.download()),
+                      h_gpu = to_double(h.download());
+  CHECK_REL_ERROR(x_in_gpu, x_in_ref, kBf16Bound);
+  CHECK_REL_ERROR(mixed_gpu, mixed_ref, kBf16Bound);
+  CHECK_REL_ERROR(h_gpu, h_ref, kBf16Bound);
+}
+
+// Its backward against double loops that round where the separate passes store: g = bf16(dx +
+// rmsnorm'(x_mixed) dh), dl0 += g . x_in, dl1 += g . x0, dx0 = bf16(dx0 + l1 g), dx = bf16(l0 g); with
+// the skip dw += dx . skip, dskip = bf16(w dx). Scalar gradients accumulate onto prior values.
+void check_mix_norm_backward(int T, int d, bool with_skip, uint64_t seed) {
+  std::printf("  mix + norm backward T=%d d=%d %s\n", T, d, with_skip ? "with the skip" : "without");
+  const size_t n = size_t(T) * d;
+  auto random_bf16 = [&](uint64_t s) { return rounded_to_bf16(random_normal(n, seed + s)); };
+  const std::vector<double> x_mixed = random_bf16(0), dh = random_bf16(1), x_in = random_bf16(2), x0 = random_bf16(3),
+                            skip = random_bf16(4), dx_in = random_bf16(5), dx0_in = random_bf16(6);
+  const float l0 = 0.9f, l1 = 0.35f, w = 0.625f;
+  DeviceBuffer<bf16> dx_mixed(to_bf16(x_mixed)), ddh(to_bf16(dh)), dx(to_bf16(dx_in)), dx_in_(to_bf16(x_in)),
+      dx0_(to_bf16(x0)), dx0(to_bf16(dx0_in)), dskip_src(to_bf16(skip)), dskip(n);
+  dskip.poison();
+  DeviceBuffer<float> scalars(std::vector<float>{l0, l1, w, 0.25f, -0.5f, 0.75f}), scratch(kScalarReductionScratchFloats);
+  float* s = scalars.get();
+  mix_norm_backward(dx_mixed.get(), ddh.get(), dx.get(), dx_in_.get(), dx0_.get(), s, s + 3, s + 1, s + 4, dx0.get(),
+                    with_skip ? dskip_src.get() : nullptr, with_skip ? s + 2 : nullptr, with_skip ? s + 5 : nullptr,
+                    with_skip ? dskip.get() : nullptr, T, d, scratch.get(), 0);
+  std::vector<double> dx_ref(n), dx0_ref(n), dskip_ref(n), scalar_ref{0.25, -0.5, 0.75};
+  for (int t = 0; t < T; ++t) {
+    const size_t row = size_t(t) * d;
+    double ss = 0, dot = 0;
+    for (int c = 0; c < d; ++c) ss += x_mixed[row + c] * x_mixed[row + c], dot += x_mixed[row + c] * dh[row + c];
+    const double inv = 1 / std::sqrt(ss / d + kRmsEps), mean_dot = dot / d;
+    for (int c = 0; c < d; ++c) {
+      const size_t i = row + c;
+      const double g = rounded_to_bf16(std::vector<double>{dx_in[i] + inv * dh[i] - inv * inv * inv * x_mixed[i] * mean_dot})[0];
+      scalar_ref[0] += g * x_in[i];
+      scalar_ref[1] += g * x0[i];
+      dx0_ref[i] = dx0_in[i] + double(l1) * g;
+      dx_ref[i] = rounded_to_bf16(std::vector<double>{double(l0) * g})[0];
+      scalar_ref[2] += with_skip ? dx_ref[i] * skip[i] : 0.0;
+      dskip_ref[i] = double(w) * dx_ref[i];
+    }
+  }
+  std::vector<double> dx_gpu = to_double(dx.download()), dx0_gpu = to_double(dx0.download());
+  CHECK_REL_ERROR(dx_gpu, dx_ref, kBf16Bound);
+  CHECK_REL_ERROR(dx0_gpu, dx0_ref, kBf16Bound);
+  if (with_skip) {
+    std::vector<double> dskip_gpu = to_double(dskip.download());
+    CHECK_REL_ERROR(dskip_gpu, dskip_ref, kBf16Bound);
+  }
+  std::vector<float> got = scalars.download();
+  std::vector<double> scalar_gpu{got[3], got[4], got[5]};
+  if (!with_skip) scalar_gpu.pop_back(), scalar_ref.pop_back();
+  CHECK_REL_ERROR(scalar_gpu, scalar_ref, kFp32FromBf16Bound);
+}
+
+TEST_CASE("a block's input in one pass: skip, lambda mix and RMS norm") {
+  check_mix_norm(1000, 768, true, 40);
+  check_mix_norm(1000, 768, false, 50);
+  check_mix_norm(37, 200, true, 60);
+  DeviceBuffer<bf16> x(768), y(768);
+  DeviceBuffer<float> s(std::vector<float>{1.0f, 1.0f});
+  CHECK_THROWS_WITH(mix_norm_forward(x.get(), nullptr, nullptr, x.get(), x.get(), s.get(), s.get(), y.get(), y.get(), 1,
+                                     768, 0),
+                    "mix_norm_forward: prev, skip and w go together");
+}
+
+TEST_CASE("the backward of a block's input in one pass, scalar gradients in a fixed order") {
+  check_mix_norm_backward(1000, 768, true, 70);
+  check_mix_norm_backward(1000, 768, false, 80);
+  check_mix_norm_backward(37, 200, true, 90);
+  check_mix_norm_backward(5000, 768, true, 100);  // more rows than the grid's warps
 }
 
 TEST_CASE("add_into: dst += src") {

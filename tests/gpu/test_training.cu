@@ -121,6 +121,12 @@ TEST_CASE("K training steps from identical weights follow the reference recipe")
   check_parameter_changes(model.params, initial, reference.params, kMuonChangeAfterKSteps, 0.25, 0);
 }
 
+// The scalars' bound of the M = 8 against M = 1 comparison: their dot products cancel (model_fixture.h)
+// and here also carry RoPE's different positions; the emulator measured 4.85e-2 at 9c51821 and
+// 5.18e-2 once the flash softmax took one FFMA a score (the matrices: 0.4-1.2e-2, bound 2e-2). A
+// micro-sequence lost or counted twice moves every gradient by 1/8 and more.
+constexpr double kScalarsAcrossPositions = 8e-2;
+
 TEST_CASE("M = 8 micro-sequences give the gradients of M = 1 over their concatenation") {
   // Each micro-sequence opens a document, so attention never crosses their boundaries and both
   // batches hold the same documents at the same 128-token block offsets: the summed losses and
@@ -144,7 +150,7 @@ TEST_CASE("M = 8 micro-sequences give the gradients of M = 1 over their concaten
   for (size_t p = 0; p < model.params.list.size(); ++p) {
     double error = relative_error(grads_micro[p], download_grad(model.params, model.params.list[p]));
     std::printf("  %-28s grad rel. error %.2e\n", model.params.list[p].name.c_str(), error);
-    CHECK(error <= grad_bound_of(model.params.list[p], 2e-2));
+    CHECK(error <= grad_bound_of(model.params.list[p], 2e-2, kScalarsAcrossPositions));
   }
 }
 
