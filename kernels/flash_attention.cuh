@@ -454,7 +454,9 @@ struct DqPartialSums {
   int* ticket;  // the CTAs' start order (zero at the launch)
   int* turns;   // [H, T / 64]: contributions added so far to each (head, 64 queries) (zero at the launch)
 };
-constexpr unsigned kMaxTurnPolls = 1u << 26;  // seconds of polling: a turn that never comes traps
+// A turn that never comes (a scheduling bug) traps after about two minutes of polling, long past any
+// honest wait (a CTA waits for CTAs already running), even under time-slicing or a debugger.
+constexpr unsigned kMaxTurnPolls = 1u << 30;
 
 // Thread 0 waits until `counter` reaches `turn`: every contribution before this CTA's is in.
 __device__ inline void wait_for_turn(const int* counter, int turn) {
