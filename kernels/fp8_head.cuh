@@ -73,9 +73,21 @@ struct E5m2Gradient {
 
 constexpr int kFp8Tile = 64;  // elements per side of a quantisation tile
 
+// The 4 x 4 byte transpose: word i of `rows` holds bytes (i, 0..3); word j of the result bytes (0..3, j).
+__device__ inline void transpose_4x4_bytes(const uint32_t (&rows)[4], uint32_t (&columns)[4]) {
+  const uint32_t low01 = __byte_perm(rows[0], rows[1], 0x5140), low23 = __byte_perm(rows[2], rows[3], 0x5140);
+  const uint32_t high01 = __byte_perm(rows[0], rows[1], 0x7362), high23 = __byte_perm(rows[2], rows[3], 0x7362);
+  columns[0] = __byte_perm(low01, low23, 0x5410);
+  columns[1] = __byte_perm(low01, low23, 0x7632);
+  columns[2] = __byte_perm(high01, high23, 0x5410);
+  columns[3] = __byte_perm(high01, high23, 0x7632);
+}
+
 // out[r, c] = out_t[c, r] = to_fp8(in[r, c] * inv_scale) for in [rows, cols], rows and cols
 // multiples of 8. A 256-thread block does one 64 x 64 tile, each thread 8 consecutive elements;
-// the tile goes through shared memory so that the transposed copy is written row by row as well.
+// the tile goes through shared memory so that the transposed copy is written row by row as well:
+// each thread reads 4 words (4 bytes of 4 rows), transposes them in registers and writes 4 bytes
+// of 4 columns (4 shared loads for 16 bytes, where a byte a load was LSU-bound).
 // In = fp8: `in` is already FP8 (inv_scale unused) and only its transpose is written (out null).
 template <Fp8Kind kind, typename In>
 __global__ void __launch_bounds__(256)
@@ -99,14 +111,15 @@ __global__ void __launch_bounds__(256)
     tile[r][part * 2 + 1] = words.y;
   }
   __syncthreads();
-  for (int c = line; c < kFp8Tile; c += 32) {  // line c of out_t: column c0 + c of the tile
-    const int col = c0 + c, row = r0 + part * 8;
-    if (col >= cols || row >= rows) continue;
-    uint32_t word[2] = {0, 0};
+  // 16 chunks of 4 rows by 16 groups of 4 columns; a warp's 16 chunks write 64 contiguous bytes of a column
+  const int chunk = threadIdx.x % 16, group = threadIdx.x / 16, row = r0 + 4 * chunk, col = c0 + 4 * group;
+  if (row >= rows || col >= cols) return;  // rows, cols multiples of 8: a chunk or group is in or out whole
+  uint32_t in_rows[4], out_columns[4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) word[i / 4] |= ((tile[part * 8 + i][c / 4] >> (8 * (c % 4))) & 0xFFu) << (8 * (i % 4));
-    *reinterpret_cast<uint2*>(out_t + size_t(col) * rows + row) = make_uint2(word[0], word[1]);
-  }
+  for (int i = 0; i < 4; ++i) in_rows[i] = tile[4 * chunk + i][group];
+  transpose_4x4_bytes(in_rows, out_columns);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(out_t + size_t(col + j) * rows + row) = out_columns[j];
 }
 
 // out [rows, cols] and out_t [cols, rows] = to_fp8(in * inv_scale) of in [rows, cols] (16-byte aligned).

@@ -214,6 +214,22 @@ inline void __nanosleep(unsigned) {}
   std::abort();
 }
 
+// PRMT: byte i of the result is byte (s >> 4 i) & 7 of the 8 bytes {x (0-3), y (4-7)} (the kernels use
+// no sign-replicating selectors: those are refused).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t bytes = uint64_t(y) << 32 | x;
+  unsigned out = 0;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned selector = s >> (4 * i) & 0xF;
+    if (selector & 8) {
+      std::fprintf(stderr, "CUDA emulator: __byte_perm with a sign-replicating selector\n");
+      std::abort();
+    }
+    out |= unsigned(bytes >> (8 * selector) & 0xFF) << (8 * i);
+  }
+  return out;
+}
+
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
