@@ -1,5 +1,5 @@
 // Token embedding and the value embeddings (SPEC 1.2): a row gather forward; a deterministic
-// backward that sums each token's gradient rows in position order, a block per segment of at most
+// backward that sums each token's gradient rows in position order, a warp per segment of at most
 // kEmbeddingSegment positions of a token and a second pass over the segments of tokens that have
 // several, so no float atomics and bitwise-equal gradients run to run. The order comes from the host, which
 // holds every micro-sequence's tokens anyway (the attention masks are built from them too).
@@ -38,7 +38,7 @@ inline void embedding_forward(const uint16_t* tokens, const bf16* table, bf16* o
 // serialise the kernel: token 198 ("\n") occurs ~3,500 times in 49,152 tokens of text, and its block
 // alone took most of the 0.48 ms (docs/PERF.md, 2026-11-27). A token with more positions is split
 // into segments whose sums a second pass adds in segment order.
-constexpr int kEmbeddingSegment = 64;
+constexpr int kEmbeddingSegment = 32;
 
 // The positions of a micro-sequence grouped by token: positions[begin[u] .. begin[u + 1]) are
 // where token tokens[u] occurs, in increasing order, cut into segments of at most
@@ -109,38 +109,36 @@ class EmbeddingBackwardPlan {
                 *segment_partial_ = nullptr, *split_row_ = nullptr, *split_first_ = nullptr;
 };
 
-constexpr int kEmbeddingRowGroups = 4;  // rows of one segment summed in parallel, combined in fixed order
+constexpr int kEmbeddingWarps = 8;  // segments per 256-thread block
 
-// Block s sums dout over segment s's positions: threadIdx.y picks every kEmbeddingRowGroups-th
-// position, threadIdx.x a 16-byte column vector, the row groups' partial sums added in threadIdx.y
-// order. A token's only segment adds scale times its sum to the token's gradient row; a segment
-// of a split token writes its sum to its scratch row. No float atomics: the result does not depend
-// on scheduling.
+// Warp w of block b sums segment s = 8 b + w over its positions, in position order: lane l holds
+// the 16-byte column vectors l, l + 32, ... of the row (no shared memory, no barrier: most segments
+// are a handful of rows, and a block per segment spent its time starting blocks). A token's only
+// segment adds scale times its sum to the token's gradient row; a segment of a split token writes
+// its sum to its scratch row. No float atomics: the result does not depend on scheduling.
 __global__ void embedding_segment_kernel(const int32_t* positions, const int32_t* segment_begin,
                                          const int32_t* segment_row, const int32_t* segment_partial, const bf16* dout,
-                                         float* grad, float* scratch, const float* scale, int d) {
-  extern __shared__ float partial[];  // [kEmbeddingRowGroups, d]
-  const int s = blockIdx.x, first = segment_begin[s], last = segment_begin[s + 1];
-  for (int c = threadIdx.x * 8; c < d; c += blockDim.x * 8) {
+                                         float* grad, float* scratch, const float* scale, int d, int segments) {
+  const int s = blockIdx.x * kEmbeddingWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (s >= segments) return;
+  const int first = segment_begin[s], last = segment_begin[s + 1], to_scratch = segment_partial[s];
+  const float factor = to_scratch >= 0 ? 1.0f : scale ? *scale : 1.0f;
+  float* row = to_scratch >= 0 ? scratch + size_t(to_scratch) * d : grad + size_t(segment_row[s]) * d;
+  for (int c = lane * 8; c < d; c += 32 * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k = first + threadIdx.y; k < last; k += kEmbeddingRowGroups) {
+#pragma unroll 4
+    for (int k = first; k < last; ++k) {
       float v[8];
       load8(dout + size_t(positions[k]) * d + c, v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] += v[i];
     }
+    float prior[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (to_scratch < 0) load8(row + c, prior);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) partial[threadIdx.y * d + c + i] = acc[i];
-  }
-  __syncthreads();
-  const int to_scratch = segment_partial[s];
-  const float factor = to_scratch >= 0 ? 1.0f : scale ? *scale : 1.0f;
-  float* row = to_scratch >= 0 ? scratch + size_t(to_scratch) * d : grad + size_t(segment_row[s]) * d;
-  for (int c = threadIdx.y * blockDim.x + threadIdx.x; c < d; c += blockDim.x * blockDim.y) {
-    float sum = 0;
-    for (int g = 0; g < kEmbeddingRowGroups; ++g) sum += partial[g * d + c];
-    if (to_scratch >= 0) row[c] = sum;
-    else row[c] += factor * sum;
+    for (int i = 0; i < 8; ++i) acc[i] = to_scratch >= 0 ? acc[i] : prior[i] + factor * acc[i];
+    reinterpret_cast<float4*>(row + c)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    reinterpret_cast<float4*>(row + c)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
 }
 
@@ -164,13 +162,10 @@ inline void embedding_backward(const EmbeddingBackwardPlan& plan, const bf16* do
                                int d, float* scratch, cudaStream_t stream) {
   check_embedding_width(d);
   if (plan.segments() == 0) return;
-  dim3 block(std::min(((d / 8 + 31) / 32) * 32, 256), kEmbeddingRowGroups);
-  size_t shared = size_t(kEmbeddingRowGroups) * d * sizeof(float);
-  if (shared > 48 * 1024)  // the default dynamic shared memory limit, not raised for this kernel
-    throw std::invalid_argument("embedding backward: width " + std::to_string(d) + " is above 3072");
-  embedding_segment_kernel<<<plan.segments(), block, shared, stream>>>(plan.positions(), plan.segment_begin(),
-                                                                      plan.segment_row(), plan.segment_partial(), dout,
-                                                                      grad, scratch, scale, d);
+  const int blocks = (plan.segments() + kEmbeddingWarps - 1) / kEmbeddingWarps;
+  embedding_segment_kernel<<<blocks, 32 * kEmbeddingWarps, 0, stream>>>(plan.positions(), plan.segment_begin(),
+                                                                       plan.segment_row(), plan.segment_partial(),
+                                                                       dout, grad, scratch, scale, d, plan.segments());
   CUDA_CHECK_LAUNCH();
   if (plan.split_tokens() == 0) return;
   embedding_split_kernel<<<plan.split_tokens(), 256, 0, stream>>>(plan.split_row(), plan.split_first(), scratch, grad,

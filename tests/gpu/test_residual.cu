@@ -108,6 +108,7 @@ void check_weighted_sum(int T, int d, int x_stride, uint64_t seed) {
 
 TEST_CASE("embedding: gather forward, deterministic scaled backward accumulating into fp32") {
   check_embedding(1024, 512, 64, 1);
+  check_embedding(1024, 512, 768, 3);  // the model's width: each lane sums three column vectors
   if (at_record_shapes("the record's micro-sequence and table")) check_embedding(49152, 50304, 768, 2);
 }
 
