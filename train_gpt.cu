@@ -1282,7 +1282,8 @@ class GPT {
     LayerActivations& l = a.layers[i];
     const int d = c_.model_dim;
     linear_backward(l.y, params.weight(ParamKind::attn_proj, i), a.dx, a.dy, params.grad(ParamKind::attn_proj, i), d, d);
-    attention_backward_of(paths_)(l.q, l.k, l.v, l.y, a.dy, l.lse, a.attention_scratch, a.dq, a.dk, a.dv, attention_shape(), mask(plan, i), stream_);
+    attention_backward_of(paths_)(l.q, l.k, l.v, l.y, a.dy, l.lse, a.attention_scratch, a.dq, a.dk, a.dv,
+                                  attention_shape(), mask(plan, i), stream_);
     // v = sa0 v_raw + sa1 ve: dv_raw goes into the v third of dqkv; the ve table gets sa1 dv
     int table = c_.value_embed[i], s0 = c_.sa_lambda_index(i, 0), s1 = c_.sa_lambda_index(i, 1);
     const bf16* ve = table >= 0 ? a.value_embedded[table] : nullptr;

@@ -103,8 +103,6 @@ __device__ inline void store4(bf16* p, const float in[4]) {
   *reinterpret_cast<Bf16x4*>(p) = x;
 }
 
-// 256-thread blocks over `items`, grid-stride past 16 blocks per SM (132 SMs on an H100); at least
-// one block, so that an empty launch is not an invalid configuration.
 // The current device's SMs (asked once: a process drives one device).
 inline int multiprocessor_count() {
   static const int count = [] {
@@ -116,6 +114,8 @@ inline int multiprocessor_count() {
   return count;
 }
 
+// 256-thread blocks over `items`, grid-stride past 16 blocks per SM (132 SMs on an H100); at least
+// one block, so that an empty launch is not an invalid configuration.
 inline int elementwise_grid(size_t items) {
   size_t blocks = (items + 255) / 256;
   return int(blocks < 1 ? 1 : blocks < 132 * 16 ? blocks : 132 * 16);

@@ -122,7 +122,7 @@ __global__ void embedding_segment_kernel(const int32_t* positions, const int32_t
   const int s = blockIdx.x * kEmbeddingWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (s >= segments) return;
   const int first = segment_begin[s], last = segment_begin[s + 1], to_scratch = segment_partial[s];
-  const float factor = to_scratch >= 0 ? 1.0f : scale ? *scale : 1.0f;
+  const float factor = scale ? *scale : 1.0f;
   float* row = to_scratch >= 0 ? scratch + size_t(to_scratch) * d : grad + size_t(segment_row[s]) * d;
   for (int c = lane * 8; c < d; c += 32 * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -133,10 +133,12 @@ __global__ void embedding_segment_kernel(const int32_t* positions, const int32_t
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] += v[i];
     }
-    float prior[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (to_scratch < 0) load8(row + c, prior);
+    if (to_scratch < 0) {  // the token's gradient row: += scale times the sum
+      float prior[8];
+      load8(row + c, prior);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = to_scratch >= 0 ? acc[i] : prior[i] + factor * acc[i];
+      for (int i = 0; i < 8; ++i) acc[i] = prior[i] + factor * acc[i];
+    }
     reinterpret_cast<float4*>(row + c)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     reinterpret_cast<float4*>(row + c)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }

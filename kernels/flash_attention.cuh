@@ -540,8 +540,10 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
   __shared__ __align__(16) int32_t stage_start[kStages][kTile];  // the query tiles' document starts
   __shared__ __align__(16) float stage_lse[kStages][kTile], stage_delta[kStages][kTile];
   __shared__ int work;  // the fused backward's (head, kv block), by ticket
-  if (fused_dq && threadIdx.x == 0) work = atomicAdd(dq_sums.ticket, 1);
-  __syncthreads();
+  if constexpr (fused_dq) {
+    if (threadIdx.x == 0) work = atomicAdd(dq_sums.ticket, 1);
+    __syncthreads();
+  }
   const int kb = fused_dq ? m.num_blocks - 1 - work % m.num_blocks : int(blockIdx.x);
   const int h = fused_dq ? work / m.num_blocks : int(blockIdx.y);
   const int warp = threadIdx.x / 32, k0 = kb * kTile, count = m.q_count[kb];

@@ -42,23 +42,34 @@ __device__ inline float rmsnorm_backward_element(float prev, float inv, float dy
   return prev + inv * dy - inv * inv * inv * x * mean_dot;
 }
 
+// A warp's row of the RMS-norm backward: x and dy of the row (n wide) into the lane's registers
+// (vector k holds columns (32 k + lane) * 8 ..; those past n are left unset), inv = 1 / rms(x) and
+// mean(x dy).
+__device__ inline void rmsnorm_backward_row(const bf16* x, const bf16* dy, int n, float eps,
+                                            float (&xv)[kMaxNormVectorsPerLane][8],
+                                            float (&gv)[kMaxNormVectorsPerLane][8], float& inv, float& mean_dot) {
+  const int lane = threadIdx.x % 32;
+  float ss = 0, dot = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+    int col = (k * 32 + lane) * 8;
+    if (col < n) {
+      load8(x + col, xv[k]);
+      load8(dy + col, gv[k]);
+      for (int i = 0; i < 8; ++i) ss += xv[k][i] * xv[k][i], dot += xv[k][i] * gv[k][i];
+    }
+  }
+  inv = rsqrtf(warp_sum(ss) / n + eps), mean_dot = warp_sum(dot) / n;
+}
+
 // dx[rows, n] (+)= d rmsnorm(x) / dx applied to dy: inv * dy - inv^3 * x * mean(x * dy)
 __global__ void rmsnorm_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, float eps,
                                         bool accumulate) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
   size_t base = size_t(row) * n;
-  float xv[kMaxNormVectorsPerLane][8], gv[kMaxNormVectorsPerLane][8], ss = 0, dot = 0;
-#pragma unroll
-  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
-    int col = (k * 32 + lane) * 8;
-    if (col < n) {
-      load8(x + base + col, xv[k]);
-      load8(dy + base + col, gv[k]);
-      for (int i = 0; i < 8; ++i) ss += xv[k][i] * xv[k][i], dot += xv[k][i] * gv[k][i];
-    }
-  }
-  float inv = rsqrtf(warp_sum(ss) / n + eps), mean_dot = warp_sum(dot) / n;
+  float xv[kMaxNormVectorsPerLane][8], gv[kMaxNormVectorsPerLane][8], inv, mean_dot;
+  rmsnorm_backward_row(x + base, dy + base, n, eps, xv, gv, inv, mean_dot);
 #pragma unroll
   for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
     int col = (k * 32 + lane) * 8;
