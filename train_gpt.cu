@@ -101,7 +101,7 @@ struct Hyperparameters {
   std::string diloco_comm = "fp32";
   bool diloco_host_copies = false;
   // fast paths (kernels/self_check.cuh): each may be replaced by its simple reference
-  std::string attention = "flash";     // flash, flash-split or reference
+  std::string attention = "flash";     // flash, flash-ws, flash-split or reference
   std::string fp8_gradient = "fused";  // fused or cast
   std::string muon = "batched";        // batched or per-matrix
   std::string residual_add = "fused";  // fused or separate
@@ -237,9 +237,9 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
       {"diloco-host-copies", &h.diloco_host_copies,
        "DiLoCo: the global copies and outer momentum in pinned host memory (read over PCIe at each sync)", nullptr, ""},
       {"attention", &h.attention,
-       "attention kernels: flash (wgmma, one fused backward), flash-split (wgmma, the backward as two kernels) or "
-       "reference (warp per row; slower)",
-       one_of(&h.attention, {"flash", "flash-split", "reference"}), "flash, flash-split or reference"},
+       "attention kernels: flash (wgmma, one fused backward), flash-ws (flash with the warp-specialised TMA "
+       "forward), flash-split (wgmma, the backward as two kernels) or reference (warp per row; slower)",
+       one_of(&h.attention, {"flash", "flash-ws", "flash-split", "reference"}), "flash, flash-ws, flash-split or reference"},
       {"fp8-gradient", &h.fp8_gradient,
        "FP8 head's gradient: fused (the cross-entropy writes e5m2) or cast (bf16, then a cast)",
        one_of(&h.fp8_gradient, {"fused", "cast"}), "fused or cast"},
@@ -1185,8 +1185,7 @@ class GPT {
     weighted_sum_forward(l.qkv + 2 * d, scalar(c_.sa_lambda_index(i, 0)),
                          table >= 0 ? a_->value_embedded[table] : nullptr, scalar(c_.sa_lambda_index(i, 1)), l.v, T_,
                          d, 3 * d, stream_);
-    auto forward = paths_.flash_attention ? flash_attention_forward : attention_forward;
-    forward(l.q, l.k, l.v, l.y, l.lse, attention_shape(), mask(plan, i), stream_);
+    attention_forward_of(paths_)(l.q, l.k, l.v, l.y, l.lse, attention_shape(), mask(plan, i), stream_);
     linear(l.y, params.weight(ParamKind::attn_proj, i), l.x_mid, d, d, /*residual=*/l.x_mixed);
   }
 
@@ -2265,7 +2264,8 @@ struct SelfCheckFailed : std::runtime_error {
 inline KernelPaths paths_of(const Hyperparameters& h) {
   KernelPaths p;
   p.flash_attention = h.attention != "reference";
-  p.fused_attention_backward = h.attention == "flash";
+  p.fused_attention_backward = h.attention != "flash-split";
+  p.warp_specialised_attention_forward = h.attention == "flash-ws";
   p.fp8_head = !h.bf16_head;
   p.fused_e5m2_gradient = h.fp8_gradient == "fused";
   p.batched_muon = h.muon == "batched";

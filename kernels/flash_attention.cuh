@@ -9,7 +9,9 @@
 // dP, dV, dK, and dQ from the same dS through shared memory), its dq contributions summed across
 // CTAs in a fixed order (DqPartialSums), so it is bitwise deterministic; `--attention flash-split`
 // keeps the two-kernel backward (dq per query block, dk and dv per kv block, each recomputing S
-// and dP) until the fused one has passed on a GPU.
+// and dP) until the fused one has passed on a GPU. `--attention flash-ws` takes the
+// warp-specialised forward (forward_ws_kernel: TMA producer, consumer warpgroups in ping-pong),
+// bitwise the same as forward_kernel, until it has passed and measured faster on a GPU.
 //
 // Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
 // [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7), atoms of 8 rows
@@ -21,6 +23,7 @@
 #pragma once
 #include "kernels/attention.cuh"
 #include "kernels/ptx.cuh"
+#include "kernels/tensor_map.cuh"
 
 #include <initializer_list>
 
@@ -153,13 +156,9 @@ __device__ inline void wgmma_a_bt(float (&s)[N / 8][4], const bf16* a, int a_row
   ptx::wgmma_commit();
 }
 
-// Issues, as one group, acc[64 x 128] += P[64 x 16K] B[b_row .. +16K, 0..128) for the warpgroup:
-// P from an accumulator (rounded to bf16 as A fragments, its n-tiles become k), B a shared tile
-// read N-major (its rows are k).
+// P (an accumulator, 16K columns) rounded to bf16 as wgmma's A fragments: its n-tiles become k.
 template <int K>
-__device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const float (&p)[2 * K][4], const bf16* b,
-                                 int b_row) {
-  uint32_t af[K][4];  // all packed before the first wgmma: none waits on the conversions
+__device__ inline void pack_a_fragments(uint32_t (&af)[K][4], const float (&p)[2 * K][4]) {
 #pragma unroll
   for (int kk = 0; kk < K; ++kk) {
     af[kk][0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
@@ -167,6 +166,14 @@ __device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const f
     af[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
     af[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
   }
+}
+
+// Issues, as one group, acc[64 x 128] += P[64 x 16K] B[b_row .. +16K, 0..128) for the warpgroup:
+// P as packed A fragments (pack_a_fragments: they must stay untouched until the group is waited
+// for), B a shared tile read N-major (its rows are k).
+template <int K>
+__device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], uint32_t (&af)[K][4], const bf16* b,
+                                 int b_row) {
   fence_registers(acc);
   fence_registers(af);
   ptx::wgmma_fence();
@@ -179,6 +186,16 @@ __device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const f
   ptx::wgmma_commit();
 }
 
+// The same with P from an fp32 accumulator, packed first (all before the first wgmma: none waits
+// on the conversions).
+template <int K>
+__device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const float (&p)[2 * K][4], const bf16* b,
+                                 int b_row) {
+  uint32_t af[K][4];
+  pack_a_fragments(af, p);
+  wgmma_p_b(acc, af, b, b_row);
+}
+
 template <int N>
 __device__ inline void zero(float (&acc)[N][4]) {
 #pragma unroll
@@ -186,10 +203,9 @@ __device__ inline void zero(float (&acc)[N][4]) {
 }
 
 // A (query block, kv block) pair needs element masks unless it is strictly causal and the kv block
-// lies in the document of every query (q_start: the query tile's document starts; they only grow).
-__device__ inline bool needs_mask(int qb, int kb, const int32_t* q_start) {
-  return kb == qb || q_start[kTile - 1] > kb * kTile;
-}
+// lies in the document of every query (last_start: the query tile's last document start; starts
+// only grow).
+__device__ inline bool needs_mask(int qb, int kb, int last_start) { return kb == qb || last_start > kb * kTile; }
 
 // The element of accumulator n-tile n, register e: its row and column inside the 16 x 8N tile.
 __device__ inline int fragment_row(int e) { return threadIdx.x % 32 / 4 + (e >= 2 ? 8 : 0); }
@@ -247,17 +263,16 @@ struct RowBounds {
 
 // One kv block's step of the online softmax on a warp's 16 rows: the scores s of kv block k0
 // become P = exp2(scale s - running max) (0 where masked), row_max (scaled, base 2) and row_sum
-// move on, and `correction` is what the output accumulated so far must be scaled by. q_start: the
-// query tile's document starts. The maximum is taken on the raw scores (the scale is positive), so
-// each P is one FFMA and one ex2.
+// move on, and `correction` is what the output accumulated so far must be scaled by. row0: the
+// thread's first row in the query tile (the other is row0 + 8), row_start: their document starts.
+// The maximum is taken on the raw scores (the scale is positive), so each P is one FFMA and one ex2.
 __device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                      float (&correction)[2], bool masked, int q0, int k0, const int32_t* q_start) {
+                                      float (&correction)[2], bool masked, int q0, int k0, int row0,
+                                      const int32_t (&row_start)[2]) {
   constexpr int N = kTile / 8;
-  const int warp = threadIdx.x / 32;
   float tile_max[2] = {-INFINITY, -INFINITY};
   if (masked) {
-    const int row0 = warp * 16 + fragment_row(0), row8 = row0 + 8;
-    const RowBounds rows[2] = {{q0 + row0, q_start[row0], k0}, {q0 + row8, q_start[row8], k0}};
+    const RowBounds rows[2] = {{q0 + row0, row_start[0], k0}, {q0 + row0 + 8, row_start[1], k0}};
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
@@ -286,6 +301,33 @@ __device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)
     }
 }
 
+// The persistent grid's item of round r for this CTA, or -1: round r's gridDim.x items go to the
+// CTAs forward in even rounds, backward in odd ones (a snake), so that each CTA's items, longest
+// first, add up about alike.
+__device__ inline int snake_item(int r, int items) {
+  const int ctas = gridDim.x, cta = blockIdx.x, item = r * ctas + (r % 2 ? ctas - 1 - cta : cta);
+  return item < items ? item : -1;
+}
+
+// Scales the output accumulated so far by the softmax's correction of its rows.
+__device__ inline void rescale(float (&o)[kAttentionHeadDim / 8][4], const float (&correction)[2]) {
+#pragma unroll
+  for (int n = 0; n < kAttentionHeadDim / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] *= correction[e / 2];
+}
+
+// Writes a warp's 16 finished output rows (first_token on) and their log-sum-exps.
+__device__ inline void store_forward_rows(bf16* y, float* lse, const float (&o)[kAttentionHeadDim / 8][4],
+                                          const float (&row_max)[2], const float (&row_sum)[2], int first_token, int h,
+                                          const AttentionTensors& a) {
+  const float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+  store_rows(y, o, first_token, h, a.H, 1.0f / total[0], 1.0f / total[1]);
+  if (threadIdx.x % 4 == 0)
+    for (int i = 0; i < 2; ++i)
+      lse[size_t(h) * a.T + first_token + fragment_row(2 * i)] = row_max[i] / kLog2e + logf(total[i]);
+}
+
 // Forward: per (query block, head), online softmax over the listed kv blocks. Each warpgroup
 // overlaps the softmax of block j + 1 with block j's product P V on the tensor cores: it issues
 // S(j + 1) = Q K(j + 1)^T and then O += P(j) V(j), waits for the scores only, and waits for O just
@@ -304,11 +346,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
   bf16* q_tile = tiles;
   __shared__ __align__(16) int32_t q_start[kTile];  // the queries' document starts
   const int warp = threadIdx.x / 32, warpgroup_row = warp / 4 * 64, items = m.num_blocks * a.H;
-  const int ctas = gridDim.x, cta = blockIdx.x;
-  auto item_of_round = [&](int r) {  // this CTA's item of round r, or -1
-    const int item = r * ctas + (r % 2 ? ctas - 1 - cta : cta);
-    return item < items ? item : -1;
-  };
+  auto item_of_round = [&](int r) { return snake_item(r, items); };
   auto query_block_of = [&](int item) { return m.longest_first[item / a.H]; };
   auto k0_of = [&](int qb, int j) { return m.kv_index[qb * m.max_kv + j] * kTile; };  // its j-th listed kv block
   auto k_tile = [&](int j) { return tiles + (1 + j % 2) * kTileElements; };
@@ -334,15 +372,17 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
     float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0}, correction[2];
     zero(o);
     auto softmax_of_block = [&](float (&s)[N][4], int j) {
-      const int k0 = k0_of(qb, j);
-      online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, q_start), q0, k0, q_start);
+      const int k0 = k0_of(qb, j), row0 = warp * 16 + fragment_row(0);
+      const int32_t row_start[2] = {q_start[row0], q_start[row0 + 8]};
+      online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, q_start[kTile - 1]), q0, k0, row0,
+                     row_start);
     };
     if (count > 0) {
       load_v(0);
       if (count > 1) load_k(1);
       ptx::cp_async_commit();
       wait_tiles<1>();  // Q, the starts and K(0) are in
-      float s[N][4], s_next[N][4];  // P of block j, scores of block j + 1
+      float s[N][4];  // the scores of block j, then its P
       wgmma_a_bt<kTile>(s, q_tile, warpgroup_row, k_tile(0), 0);
       wgmma_wait_all(s);
       softmax_of_block(s, 0);
@@ -353,19 +393,15 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
         if (j + 2 < count) load_k(j + 2);
         load_v(j + 1);
         ptx::cp_async_commit();
-        wgmma_a_bt<kTile>(s_next, q_tile, warpgroup_row, k_tile(j + 1), 0);
-        wgmma_p_b<kTile / 16>(o, s, v_tile(j), 0);
+        uint32_t p[kTile / 16][4];
+        pack_a_fragments(p, s);  // P(j) as bf16: s takes the next scores (no second fp32 tile)
+        wgmma_a_bt<kTile>(s, q_tile, warpgroup_row, k_tile(j + 1), 0);
+        wgmma_p_b(o, p, v_tile(j), 0);
         ptx::wgmma_wait<1>();  // the scores; P(j) V(j) runs on beside the softmax
-        fence_registers(s_next);
-        softmax_of_block(s_next, j + 1);
-        wgmma_wait_all(o);
-#pragma unroll
-        for (int n = 0; n < N; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            o[n][e] *= correction[e / 2];
-            s[n][e] = s_next[n][e];
-          }
+        fence_registers(s);
+        softmax_of_block(s, j + 1);
+        wgmma_wait_all(o, p);
+        rescale(o, correction);
       }
       wait_tiles();  // V(count - 1) is in; every warp is done with Q, the starts and both K tiles
       load_next();
@@ -375,12 +411,161 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
       wait_tiles();
       load_next();
     }
-    float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
-    store_rows(y, o, q0 + warp * 16, h, a.H, 1.0f / total[0], 1.0f / total[1]);
-    if (threadIdx.x % 4 == 0)
-      for (int i = 0; i < 2; ++i)
-        lse[size_t(h) * a.T + q0 + warp * 16 + fragment_row(2 * i)] = row_max[i] / kLog2e + logf(total[i]);
+    store_forward_rows(y, lse, o, row_max, row_sum, q0 + warp * 16, h, a);
     __syncthreads();  // every warp is done with V(count - 1) before the next item's V(0) may land there
+  }
+}
+
+// ---- The warp-specialised forward (`--attention flash-ws`) ------------------------------------
+// FlashAttention-3's structure on forward_kernel's tiles, mask and item order. Warpgroup 0 is the
+// producer: it gives back registers (setmaxnreg, 24 a thread) and its first thread copies the Q, K
+// and V tiles by TMA into the stages, each stage with two mbarriers: `full` (its tile has landed)
+// and `empty` (every consumer warp is done reading it). Warpgroups 1 and 2 (240 registers a
+// thread) each own 64 query rows; they take turns issuing their products (two named barriers, a
+// ping-pong: one warpgroup's softmax runs while the other's products hold the tensor cores), and
+// each overlaps its softmax with its own previous block's P V as forward_kernel does. After the
+// start no barrier spans the block: a consumer waits only for the tiles it reads, the producer
+// only for stages to come free.
+constexpr int kWsThreads = 3 * 128, kWsConsumerWarps = 8;
+constexpr int kWsProducerRegisters = 24, kWsConsumerRegisters = 240;
+static_assert(kWsProducerRegisters * 128 + 2 * kWsConsumerRegisters * 128 <= 64 * 1024, "the register file");
+constexpr uint32_t kTileBytes = kTileElements * sizeof(bf16);
+constexpr int kTmaBoxColumns = 64;  // a box row is one 128-byte swizzle span: a tile is two boxes
+
+// Copies rows token0 .. token0 + 127 of head h (its 128 columns) into a swizzled tile, as two
+// boxes of 64 columns (the tile's column halves), completing on `full`.
+__device__ inline void tma_load_tile(bf16* tile, const CUtensorMap& map, int h, int token0, uint64_t* full) {
+  for (int half = 0; half < kAttentionHeadDim / kTmaBoxColumns; ++half)
+    ptx::tma_load_2d(tile + half * (kTile * kTmaBoxColumns), &map, h * kAttentionHeadDim + half * kTmaBoxColumns,
+                     token0, full);
+}
+
+// The u-th K (or V) tile a CTA walks: its stage and the parity of that stage's phase.
+struct StageUse {
+  int stage;
+  uint32_t parity;
+};
+__device__ inline StageUse stage_use(uint32_t u) { return {int(u % kStages), u / kStages % 2}; }
+
+__device__ inline void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+  while (!ptx::mbarrier_try_wait(barrier, parity)) {
+  }
+}
+
+__global__ void __launch_bounds__(kWsThreads, 1)
+    forward_ws_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                      const __grid_constant__ CUtensorMap v_map, bf16* y, float* lse, AttentionTensors a,
+                      DeviceAttentionMask m) {
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, K of stages 0 and 1, V of stages 0 and 1
+  bf16* q_tile = tiles;
+  auto k_tile = [&](int stage) { return tiles + (1 + stage) * kTileElements; };
+  auto v_tile = [&](int stage) { return tiles + (1 + kStages + stage) * kTileElements; };
+  __shared__ __align__(8) uint64_t barriers[2 + 4 * kStages];
+  uint64_t *q_full = barriers, *q_empty = barriers + 1, *k_full = barriers + 2, *k_empty = k_full + kStages,
+           *v_full = k_empty + kStages, *v_empty = v_full + kStages;
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(q_full, 1);
+    ptx::mbarrier_init(q_empty, kWsConsumerWarps);
+    for (int stage = 0; stage < kStages; ++stage) {
+      ptx::mbarrier_init(k_full + stage, 1);
+      ptx::mbarrier_init(k_empty + stage, kWsConsumerWarps);
+      ptx::mbarrier_init(v_full + stage, 1);
+      ptx::mbarrier_init(v_empty + stage, kWsConsumerWarps);
+    }
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+  const int items = m.num_blocks * a.H;
+  auto k0_of = [&](int qb, int j) { return m.kv_index[qb * m.max_kv + j] * kTile; };
+
+  if (threadIdx.x < 128) {  // the producer
+    ptx::setmaxnreg_dec<kWsProducerRegisters>();
+    if (threadIdx.x != 0) return;
+    uint32_t use = 0;
+    for (int r = 0, item; (item = snake_item(r, items)) >= 0; ++r) {
+      const int qb = m.longest_first[item / a.H], h = item % a.H;
+      mbarrier_wait(q_empty, r % 2 ^ 1);  // the consumers' last scores of the previous item are done
+      ptx::mbarrier_arrive_expect_tx(q_full, kTileBytes);
+      tma_load_tile(q_tile, q_map, h, qb * kTile, q_full);
+      for (int j = 0; j < m.kv_count[qb]; ++j, ++use) {
+        const StageUse u = stage_use(use);
+        mbarrier_wait(k_empty + u.stage, u.parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(k_full + u.stage, kTileBytes);
+        tma_load_tile(k_tile(u.stage), k_map, h, k0_of(qb, j), k_full + u.stage);
+        mbarrier_wait(v_empty + u.stage, u.parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(v_full + u.stage, kTileBytes);
+        tma_load_tile(v_tile(u.stage), v_map, h, k0_of(qb, j), v_full + u.stage);
+      }
+    }
+    return;
+  }
+
+  ptx::setmaxnreg_inc<kWsConsumerRegisters>();
+  const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 - 4;  // warp: 16 rows of the tile
+  const int row0 = warp * 16 + fragment_row(0);
+  auto release = [&](uint64_t* barrier) {  // one arrival a warp, once all of its lanes are done reading
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(barrier);
+  };
+  auto my_turn = [&] { ptx::named_barrier_sync(1 + consumer, 256); };
+  auto other_turn = [&] { ptx::named_barrier_arrive(2 - consumer, 256); };
+  if (consumer == 1) other_turn();  // consumer 0 issues first
+  constexpr int N = kTile / 8;
+  uint32_t use = 0;
+  for (int r = 0, item; (item = snake_item(r, items)) >= 0; ++r) {
+    const int qb = m.longest_first[item / a.H], h = item % a.H, q0 = qb * kTile, count = m.kv_count[qb];
+    const int32_t row_start[2] = {m.doc_start[q0 + row0], m.doc_start[q0 + row0 + 8]};
+    const int32_t last_start = m.doc_start[q0 + kTile - 1];
+    float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0}, correction[2];
+    zero(o);
+    auto softmax_of_block = [&](float (&s)[N][4], int j) {
+      const int k0 = k0_of(qb, j);
+      online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, last_start), q0, k0, row0, row_start);
+    };
+    mbarrier_wait(q_full, r % 2);
+    if (count > 0) {
+      float s[N][4];  // the scores of block j, then its P
+      const StageUse first = stage_use(use);
+      mbarrier_wait(k_full + first.stage, first.parity);
+      my_turn();
+      wgmma_a_bt<kTile>(s, q_tile, consumer * 64, k_tile(first.stage), 0);
+      other_turn();
+      wgmma_wait_all(s);
+      release(k_empty + first.stage);
+      if (count == 1) release(q_empty);
+      softmax_of_block(s, 0);
+      for (int j = 0; j + 1 < count; ++j) {  // the last block peeled, as in forward_kernel
+        const StageUse now = stage_use(use + j), next = stage_use(use + j + 1);
+        mbarrier_wait(k_full + next.stage, next.parity);
+        mbarrier_wait(v_full + now.stage, now.parity);
+        uint32_t p[kTile / 16][4];
+        pack_a_fragments(p, s);  // P(j) as bf16: s takes the next scores (no second fp32 tile)
+        my_turn();
+        wgmma_a_bt<kTile>(s, q_tile, consumer * 64, k_tile(next.stage), 0);
+        wgmma_p_b(o, p, v_tile(now.stage), 0);
+        other_turn();
+        ptx::wgmma_wait<1>();  // the scores; P(j) V(j) runs on beside the softmax
+        fence_registers(s);
+        release(k_empty + next.stage);
+        if (j + 2 == count) release(q_empty);  // that was the item's last Q K^T
+        softmax_of_block(s, j + 1);
+        wgmma_wait_all(o, p);
+        release(v_empty + now.stage);
+        rescale(o, correction);
+      }
+      const StageUse last = stage_use(use + count - 1);
+      mbarrier_wait(v_full + last.stage, last.parity);
+      my_turn();
+      wgmma_p_b<kTile / 16>(o, s, v_tile(last.stage), 0);
+      other_turn();
+      wgmma_wait_all(o);
+      release(v_empty + last.stage);
+      use += count;
+    } else {
+      release(q_empty);
+    }
+    store_forward_rows(y, lse, o, row_max, row_sum, q0 + warp * 16, h, a);
   }
 }
 
@@ -427,7 +612,7 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
   auto query_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
   walk_kv_blocks(tiles + 2 * kTileElements, k, v, a, m, qb, h, [&](int kb, const bf16* k_tile, const bf16* v_tile) {
     const int k0 = kb * kTile;
-    const bool masked = needs_mask(qb, kb, q_start);
+    const bool masked = needs_mask(qb, kb, q_start[kTile - 1]);
     for (int half = 0; half < kTile / kKeys; ++half) {
       float s[N][4], dp[N][4];
       wgmma_a_bt<kKeys>(s, q_tile, warpgroup_row, k_tile, half * kKeys);
@@ -575,7 +760,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     const bf16 *q_tile = q_tile_of(j), *dy_tile = q_tile + kTileElements;
     const int32_t* q_start = stage_start[stage];
     const float *q_lse = stage_lse[stage], *q_delta = stage_delta[stage];
-    const bool masked = needs_mask(qb, kb, q_start);
+    const bool masked = needs_mask(qb, kb, q_start[kTile - 1]);
     for (int half = 0; half < kTile / kQueries; ++half) {
       float st[N][4], dpt[N][4];  // [64 keys x 64 queries] per warpgroup
       wgmma_a_bt<kQueries>(st, k_tile, warpgroup_row, q_tile, half * kQueries);
@@ -653,6 +838,26 @@ inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v,
   const int items = a.T / flash::kTile * a.H;
   flash::forward_kernel<<<std::min(items, multiprocessor_count()), flash::kThreads, smem, stream>>>(q, k, v, y, lse, a,
                                                                                                  mask.device());
+  CUDA_CHECK_LAUNCH();
+}
+
+// The warp-specialised forward (flash::forward_ws_kernel, `--attention flash-ws`): the same
+// results as flash_attention_forward, its tiles copied by TMA (the maps made here, per call).
+inline void flash_attention_forward_ws(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
+                                       const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+  check_flash_attention_shape(a, mask,
+                              {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
+                               {"v", v, kFlashCopiedAlignment}, {"y", y, kFlashWrittenAlignment}});
+  const uint64_t columns = uint64_t(a.H) * kAttentionHeadDim;
+  auto map = [&](const char* name, const bf16* start, int64_t stride) {
+    return bf16_tile_map(name, start, a.T, columns, stride, flash::kTile, flash::kTmaBoxColumns);
+  };
+  const CUtensorMap q_map = map("q", q, a.q_stride), k_map = map("k", k, a.k_stride), v_map = map("v", v, a.v_stride);
+  const size_t smem = flash::kForwardSharedBytes;  // Q and two stages of K and V, as forward_kernel
+  flash::set_shared_memory(flash::forward_ws_kernel, smem);
+  const int items = a.T / flash::kTile * a.H;
+  flash::forward_ws_kernel<<<std::min(items, multiprocessor_count()), flash::kWsThreads, smem, stream>>>(
+      q_map, k_map, v_map, y, lse, a, mask.device());
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,5 @@
-// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, ex2, and sm_90a's wgmma).
+// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, ex2, and sm_90a's wgmma,
+// mbarriers, TMA copies, named barriers and register reallocation).
 // Kept apart so that the CPU emulator of the tests (tests/emulator/ptx.cuh) can give each one its
 // documented meaning while the kernels around them run unchanged.
 #pragma once
@@ -108,6 +109,75 @@ __device__ inline void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a
                "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
                : PTX_M64N128_ACCUMULATOR(d)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));
+}
+
+// ---- The warp-specialised kernels (sm_90a): mbarriers, TMA copies, named barriers, registers ----
+
+// An mbarrier (8 bytes of shared memory, 8-byte aligned) counts a phase's arrivals and its
+// transaction bytes: the phase completes once `count` threads have arrived and every byte that
+// arrivals announced (expect_tx) has landed; then the next phase begins. Waits name a phase by its
+// parity.
+__device__ inline void mbarrier_init(uint64_t* barrier, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(count) : "memory");
+}
+
+// Makes the initialising thread's mbarrier.init visible to the async proxy (the TMA copies that
+// complete on the barriers); a block barrier after it makes them visible to the other threads.
+__device__ inline void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+// One arrival on the barrier's current phase (release: this thread's reads before it are done).
+__device__ inline void mbarrier_arrive(uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(barrier)) : "memory");
+}
+
+// One arrival that also announces `bytes` of TMA copies completing on the current phase.
+__device__ inline void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+}
+
+// Whether the phase of parity `parity` has completed (acquire: what landed in it is visible). A
+// fresh barrier is in phase 0, so parity 1 names the phase "before" it: done at once.
+__device__ inline bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) {
+  uint32_t done;
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done)
+               : "r"(shared_address(barrier)), "r"(parity)
+               : "memory");
+  return done != 0;
+}
+
+// A 2-D box of a tensor map (made on the host: kernels/tensor_map.cuh) from global to shared
+// memory through the TMA unit, laid out and swizzled as the map says; its bytes complete on
+// `barrier`'s current phase. x counts elements of the contiguous dimension, y rows. `map` is the
+// kernel's __grid_constant__ parameter (its generic address); `shared` 128-byte aligned.
+__device__ inline void tma_load_2d(void* shared, const void* map, int x, int y, uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(shared_address(shared)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(shared_address(barrier))
+      : "memory");
+}
+
+// Named barriers 1-15 (0 is __syncthreads'): `threads` (a multiple of 32) arrive, by whole warps;
+// sync waits for the rest, arrive does not.
+__device__ inline void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ inline void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A warpgroup (all of its 128 threads) gives registers back to the CTA's pool, or takes more
+// from it (waiting until another warpgroup's decrease has freed them): `registers` per thread, a
+// multiple of 8 in [24, 256].
+template <int registers>
+__device__ inline void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(registers));
+}
+template <int registers>
+__device__ inline void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(registers));
 }
 
 }  // namespace ptx

@@ -5,7 +5,8 @@
 // replaces that path by its reference for the whole run (or stops, with --self-check strict)
 // instead of training silently wrong. The references are the paths the flags select anyway:
 //   flash attention (flash_attention.cuh)      --attention reference: the warp-per-row kernels (attention.cuh)
-//     (the fused backward, or with --attention flash-split the two-kernel one, whichever the run uses)
+//     (the forward and backward the run uses: the warp-specialised forward with --attention flash-ws,
+//     the two-kernel backward with --attention flash-split)
 //   FP8 lm_head (fp8_head.cuh)                 --bf16-head: bf16 products
 //   the cross-entropy's fused e5m2 gradient    --fp8-gradient cast: bf16 gradient, then a cast
 //   batched Muon (strided cuBLASLt batches)    --muon per-matrix: Newton-Schulz one matrix at a time
@@ -30,11 +31,19 @@
 struct KernelPaths {
   bool flash_attention = true;
   bool fused_attention_backward = true;  // which flash backward (no path of its own: flash-split is a flag)
+  bool warp_specialised_attention_forward = false;  // which flash forward (flash-ws, a flag too)
   bool fp8_head = true;
   bool fused_e5m2_gradient = true;
   bool batched_muon = true;
   bool fused_residual_add = true;
 };
+
+// The attention forward that a run's paths select.
+using AttentionForward = decltype(&attention_forward);
+inline AttentionForward attention_forward_of(const KernelPaths& p) {
+  if (!p.flash_attention) return attention_forward;
+  return p.warp_specialised_attention_forward ? flash_attention_forward_ws : flash_attention_forward;
+}
 
 // The attention backward that a run's paths select.
 using AttentionBackward = decltype(&attention_backward);
@@ -142,10 +151,9 @@ inline double attention_error(const SelfCheckShape& s, const KernelPaths& in_use
   for (int reference = 0; reference < 2; ++reference) {
     DeviceBuffer<bf16> y(n), dq(n), dk(n), dv(n);
     DeviceBuffer<float> lse(size_t(T) * H), scratch(attention_backward_scratch_floats(T, H));
-    auto forward = reference ? attention_forward : flash_attention_forward;
     KernelPaths paths = in_use;
     paths.flash_attention = !reference;
-    forward(q.get(), k.get(), v.get(), y.get(), lse.get(), a, mask, stream);
+    attention_forward_of(paths)(q.get(), k.get(), v.get(), y.get(), lse.get(), a, mask, stream);
     attention_backward_of(paths)(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(), dq.get(),
                                  dk.get(), dv.get(), a, mask, stream);
     const DeviceBuffer<bf16>* results[4] = {&y, &dq, &dk, &dv};

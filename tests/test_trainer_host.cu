@@ -114,7 +114,7 @@ TEST_CASE("the fast paths' flags select their references; the self-check's modes
   CHECK(parsed({"--self-check", "strict", "--self-check-only"}).self_check_only);
   CHECK_THROWS_WITH(parse_only({"--self-check", "on"}), "--self-check = on: must be fallback, strict or off");
   CHECK_THROWS_WITH(parse_only({"--attention", "fast"}),
-                    "--attention = fast: must be flash, flash-split or reference");
+                    "--attention = fast: must be flash, flash-ws, flash-split or reference");
   // flash-split: the flash forward with the two-kernel backward instead of the fused one
   CHECK(fast.fused_attention_backward);
   KernelPaths split = paths_of(parsed({"--attention", "flash-split"}));
@@ -122,6 +122,14 @@ TEST_CASE("the fast paths' flags select their references; the self-check's modes
   CHECK(attention_backward_of(split) == flash_attention_backward_split);
   CHECK(attention_backward_of(fast) == flash_attention_backward);
   CHECK(attention_backward_of(references) == attention_backward);
+  // flash-ws: the warp-specialised TMA forward with the fused backward; the default forward otherwise
+  KernelPaths ws = paths_of(parsed({"--attention", "flash-ws"}));
+  CHECK(ws.flash_attention && ws.fused_attention_backward && ws.warp_specialised_attention_forward);
+  CHECK(attention_forward_of(ws) == flash_attention_forward_ws);
+  CHECK(attention_backward_of(ws) == flash_attention_backward);
+  CHECK(attention_forward_of(fast) == flash_attention_forward);
+  CHECK(attention_forward_of(split) == flash_attention_forward);
+  CHECK(attention_forward_of(references) == attention_forward);
   CHECK_THROWS_WITH(parse_only({"--muon", "single"}), "--muon = single: must be batched or per-matrix");
   // Every fast path's reference flag, as the self-check's fallback line names it, is a flag here.
   for (const FastPath& p : fast_paths()) {

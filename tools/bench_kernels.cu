@@ -404,6 +404,8 @@ void bench_attention(const Peaks& peaks) {
     char name[64];
     std::snprintf(name, sizeof name, "flash attention fwd, window %2d blocks", window);
     row(name, median_ms([&] { flash_attention_forward(q, k, v, y, lse, a, mask, 0); }), 0, fwd_flops, peaks);
+    std::snprintf(name, sizeof name, "flash attention fwd ws, window %2d", window);
+    row(name, median_ms([&] { flash_attention_forward_ws(q, k, v, y, lse, a, mask, 0); }), 0, fwd_flops, peaks);
     std::snprintf(name, sizeof name, "flash attention bwd, window %2d blocks", window);
     row(name, median_ms([&] { flash_attention_backward(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0); }), 0,
         2.5 * fwd_flops, peaks);

@@ -16,6 +16,7 @@
 // per-thread local (CUDA's headers define __shared__ as nothing for a host compiler).
 #define __shared__ static_assert(false, "a __shared__ declaration that translate.py did not rewrite");
 #define __launch_bounds__(...)
+#define __grid_constant__
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -93,6 +94,29 @@ void wgmma_wait(int pending_groups_left);
 // landed cp.async copies wait for its fence.proxy.async (wgmma reads through the async proxy).
 void wgmma_fence();
 void proxy_async_fence();
+
+// mbarriers (PTX's semantics, one state per barrier of the running block): a phase completes once
+// its `count` arrivals are in and exactly the transaction bytes announced (arrive.expect_tx) have
+// been issued as TMA copies on it; try_wait(parity) is true once the phase of that parity is over
+// (so parity 1 on a fresh barrier). A TMA copy reads its source at the issue, poisons its
+// destination (0xFF) and lands as late as PTX lets it: when a thread first sees its phase complete.
+// Fatal: a barrier used before its init (or overwritten: its 8 bytes are checked), a TMA copy on a
+// barrier whose init no fence.mbarrier_init published, more bytes issued in a phase than announced,
+// a copy into memory whose previous copy no thread waited for. A phase that never completes leaves
+// its waiters spinning: the block's deadlock check names it.
+void mbarrier_init(uint64_t* barrier, uint32_t count);
+void fence_mbarrier_init();
+void mbarrier_arrive(uint64_t* barrier, uint32_t expect_tx_bytes);
+bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity);
+// The box at `coordinates` of an emulated tensor map (cuTensorMapEncodeTiled, cuda_runtime.cpp).
+void tma_load(void* shared, const void* map, const int* coordinates, int rank, uint64_t* barrier);
+// Named barriers 1-15 as bar.sync / bar.arrive count them (by thread here; the kernels call them by
+// whole warps, as the GPU counts).
+void named_barrier(int id, int threads, bool wait);
+// setmaxnreg: the calling warp's registers per thread go to `registers`; an increase waits for
+// registers that another warp's decrease freed (the block starts with 64 K registers shared
+// evenly, as __launch_bounds__(threads, 1) compiles it, rounded down to a multiple of 8, at most 255).
+void set_max_registers(int registers, bool increase);
 
 // The shared-window address of a byte of dynamic shared memory, as __cvta_generic_to_shared gives
 // it, and back. The window's dynamic part starts at kDynamicSharedWindowBase, which is not a

@@ -5,7 +5,9 @@
 #include "emulator/cuda_emulator.h"
 #include "emulator/runtime.h"
 
+#include <cuda.h>
 #include <cuda_profiler_api.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <chrono>
@@ -185,6 +187,63 @@ cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attribute
   if (value < 0 || size_t(value) > kMaxDynamicShared) return cudaErrorInvalidValue;
   std::lock_guard<std::mutex> lock(registry_mutex);
   shared_limits[kernel] = size_t(value);
+  return cudaSuccess;
+}
+
+// The driver's cuTensorMapEncodeTiled as its documentation bounds it (what the driver refuses, this
+// refuses with the same CUDA_ERROR_INVALID_VALUE), for the ranks and options the emulator's TMA
+// copies implement (threads.cpp); it writes an EmulatedTensorMap.
+static CUresult emulated_tensor_map_encode_tiled(CUtensorMap* tensor_map, CUtensorMapDataType type, cuuint32_t rank,
+                                          void* address, const cuuint64_t* dims, const cuuint64_t* strides,
+                                          const cuuint32_t* box, const cuuint32_t* element_strides,
+                                          CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
+                                          CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {
+  static_assert(sizeof(EmulatedTensorMap) <= sizeof(CUtensorMap), "the emulated map fits the opaque one");
+  uint32_t element_bytes = 0;
+  switch (type) {
+    case CU_TENSOR_MAP_DATA_TYPE_UINT8: element_bytes = 1; break;
+    case CU_TENSOR_MAP_DATA_TYPE_UINT16: case CU_TENSOR_MAP_DATA_TYPE_FLOAT16: case CU_TENSOR_MAP_DATA_TYPE_BFLOAT16:
+      element_bytes = 2;
+      break;
+    case CU_TENSOR_MAP_DATA_TYPE_UINT32: case CU_TENSOR_MAP_DATA_TYPE_INT32: case CU_TENSOR_MAP_DATA_TYPE_FLOAT32:
+      element_bytes = 4;
+      break;
+    default: return CUDA_ERROR_INVALID_VALUE;  // the emulator has no other element types
+  }
+  const uint32_t swizzle_bytes = swizzle == CU_TENSOR_MAP_SWIZZLE_NONE ? 0
+                                 : swizzle == CU_TENSOR_MAP_SWIZZLE_32B ? 32
+                                 : swizzle == CU_TENSOR_MAP_SWIZZLE_64B ? 64
+                                 : swizzle == CU_TENSOR_MAP_SWIZZLE_128B ? 128
+                                                                         : ~0u;
+  if (!tensor_map || reinterpret_cast<uintptr_t>(tensor_map) % 64 || rank < 1 || rank > 3 ||
+      interleave != CU_TENSOR_MAP_INTERLEAVE_NONE || swizzle_bytes == ~0u || reinterpret_cast<uintptr_t>(address) % 16)
+    return CUDA_ERROR_INVALID_VALUE;
+  EmulatedTensorMap map{};
+  map.magic = EmulatedTensorMap::kMagic;
+  map.base = static_cast<const unsigned char*>(address);
+  map.rank = rank;
+  map.element_bytes = element_bytes;
+  map.swizzle_bytes = swizzle_bytes;
+  for (uint32_t d = 0; d < rank; ++d) {
+    if (dims[d] == 0 || dims[d] > (uint64_t(1) << 32) || box[d] == 0 || box[d] > 256 || element_strides[d] != 1)
+      return CUDA_ERROR_INVALID_VALUE;
+    map.dims[d] = dims[d];
+    map.box[d] = box[d];
+    map.strides[d] = d == 0 ? element_bytes : strides[d - 1];
+    if (d > 0 && (strides[d - 1] % 16 || strides[d - 1] >= (uint64_t(1) << 40))) return CUDA_ERROR_INVALID_VALUE;
+  }
+  const uint32_t row_bytes = box[0] * element_bytes;
+  if (row_bytes % 16 || (swizzle_bytes && row_bytes > swizzle_bytes)) return CUDA_ERROR_INVALID_VALUE;
+  std::memset(tensor_map, 0, sizeof *tensor_map);
+  std::memcpy(tensor_map, &map, sizeof map);
+  return CUDA_SUCCESS;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int, unsigned long long,
+                                             cudaDriverEntryPointQueryResult* status) {
+  const bool known = std::strcmp(symbol, "cuTensorMapEncodeTiled") == 0;  // the only driver call the kernels make
+  *function = known ? reinterpret_cast<void*>(&emulated_tensor_map_encode_tiled) : nullptr;
+  if (status) *status = known ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
   return cudaSuccess;
 }
 

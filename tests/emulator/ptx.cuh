@@ -167,4 +167,25 @@ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t des
   ::emu::wgmma_issue([&d, rows, desc_b, accumulate] { wgmma_product_into<trans_b>(d, rows, desc_b, accumulate); });
 }
 
+// ---- mbarriers, TMA copies, named barriers, registers: cuda_emulator.h says what each checks ----
+inline void mbarrier_init(uint64_t* barrier, uint32_t count) { ::emu::mbarrier_init(barrier, count); }
+inline void fence_mbarrier_init() { ::emu::fence_mbarrier_init(); }
+inline void mbarrier_arrive(uint64_t* barrier) { ::emu::mbarrier_arrive(barrier, 0); }
+inline void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) { ::emu::mbarrier_arrive(barrier, bytes); }
+inline bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) { return ::emu::mbarrier_try_wait(barrier, parity); }
+inline void tma_load_2d(void* shared, const void* map, int x, int y, uint64_t* barrier) {
+  const int coordinates[2] = {x, y};
+  ::emu::tma_load(shared, map, coordinates, 2, barrier);
+}
+inline void named_barrier_sync(int id, int threads) { ::emu::named_barrier(id, threads, true); }
+inline void named_barrier_arrive(int id, int threads) { ::emu::named_barrier(id, threads, false); }
+template <int registers>
+void setmaxnreg_dec() {
+  ::emu::set_max_registers(registers, false);
+}
+template <int registers>
+void setmaxnreg_inc() {
+  ::emu::set_max_registers(registers, true);
+}
+
 }  // namespace ptx

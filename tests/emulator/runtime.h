@@ -14,4 +14,15 @@ size_t max_dynamic_shared_bytes(const void* kernel);  // 48 KiB unless cudaFuncS
 // more than 48 KiB (ptxas's limit on static shared memory).
 size_t static_shared_budget(const void* kernel, size_t dynamic_bytes);
 
+// What the emulated cuTensorMapEncodeTiled writes into a CUtensorMap's 128 opaque bytes (ranks 1-3,
+// element strides 1, no interleave: what the kernels use), and the TMA copies read back.
+struct EmulatedTensorMap {
+  static constexpr uint64_t kMagic = 0x50414d524f534e45;  // "ENSORMAP"
+  uint64_t magic;
+  const unsigned char* base;
+  uint32_t rank, element_bytes, swizzle_bytes;  // swizzle_bytes: 0 (none), 32, 64 or 128
+  uint32_t box[3];
+  uint64_t dims[3], strides[3];  // strides in bytes; strides[0] is the element size
+};
+
 }  // namespace emu

@@ -7,6 +7,12 @@
 //   shared memory they must fit the GPU's limits;
 // - cuBLASLt answers "not supported" to an FP8 product whose scale pointer is off a 16-byte
 //   boundary, as cuBLASLt 13.1 did on an H200 (its heuristic had offered an algorithm);
+// - the warp-specialised kernels' mbarriers, TMA copies, named barriers and setmaxnreg: a ring of
+//   TMA-fed stages shared by a producer and two consumer warpgroups in turns copies exactly and
+//   alternates; a missed release, a wait on the wrong phase parity, a consumer that never waits, a
+//   producer that keeps its registers, fewer bytes announced than copied, an unpublished init and
+//   bytes that are no tensor map each stop the program (a deadlock where the GPU would hang), and
+//   the host refuses a map the driver refuses, naming the tensor;
 // - cuSOLVER's syevd reports a factor it cannot decompose by a positive info (LAPACK's convention;
 //   what the library answers for a NaN factor is unverified), and REKLS then stops naming the
 //   factor (docs/ERRORS.md).
@@ -15,8 +21,10 @@
 #include "kernels/check_arrays.cuh"
 #include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
+#include "kernels/flash_attention.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/rekls.cuh"
+#include "kernels/tensor_map.cuh"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -82,6 +90,68 @@ __global__ void static_and_dynamic_kernel(float* out) {
   out[0] = dynamic[0];
 }
 
+// A warp-specialised ring as the flash forward runs one: warpgroup 0's first thread copies box t
+// (rows 64 t .. 64 t + 63 of the matrix, its columns 64..127) by TMA into stage t % 2; warpgroups 1
+// and 2, taking turns through two named barriers, each write their 32 rows of it unswizzled to
+// `out` ([tiles x 64, 64]), log their turn, and release the stage (one arrival a warp). `mistake`
+// injects one bug of the kind the pattern invites.
+enum class RingMistake { none, missed_release, wrong_parity, no_wait, no_decrease, short_announce, unpublished_init };
+constexpr int kRingStages = 2, kRingTiles = 6, kRingRows = 64, kRingCols = 64;
+constexpr uint32_t kRingBoxBytes = kRingRows * kRingCols * sizeof(bf16);
+constexpr size_t kRingSharedBytes = kRingStages * kRingBoxBytes + flash::kSwizzleAtomBytes;
+
+__global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CUtensorMap map, bf16* out, int* turns,
+                                                      RingMistake mistake) {
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* stages = flash::align_to_swizzle_atom(shared_tiles);
+  __shared__ __align__(8) uint64_t full[kRingStages], empty[kRingStages];
+  __shared__ int turn;
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRingStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], 8);  // the consumers' warps
+    }
+    if (mistake != RingMistake::unpublished_init) ptx::fence_mbarrier_init();
+    turn = 0;
+  }
+  __syncthreads();
+  if (warpgroup == 0) {
+    if (mistake != RingMistake::no_decrease) ptx::setmaxnreg_dec<24>();
+    if (threadIdx.x == 0)
+      for (int t = 0; t < kRingTiles; ++t) {
+        const int s = t % kRingStages;
+        while (!ptx::mbarrier_try_wait(&empty[s], (t / kRingStages % 2) ^ 1)) {
+        }
+        ptx::mbarrier_arrive_expect_tx(&full[s], mistake == RingMistake::short_announce ? kRingBoxBytes / 2
+                                                                                        : kRingBoxBytes);
+        ptx::tma_load_2d(stages + s * kRingRows * kRingCols, &map, kRingCols, t * kRingRows, &full[s]);
+      }
+    return;
+  }
+  ptx::setmaxnreg_inc<240>();
+  const int consumer = warpgroup - 1, thread = threadIdx.x % 128;
+  if (consumer == 1) ptx::named_barrier_arrive(1, 256);  // consumer 0 goes first
+  for (int t = 0; t < kRingTiles; ++t) {
+    const int s = t % kRingStages;
+    const uint32_t parity = t / kRingStages % 2;
+    if (mistake != RingMistake::no_wait)
+      while (!ptx::mbarrier_try_wait(&full[s], mistake == RingMistake::wrong_parity ? parity ^ 1 : parity)) {
+      }
+    ptx::named_barrier_sync(1 + consumer, 256);
+    for (int i = thread; i < 32 * kRingCols; i += 128) {
+      const int row = consumer * 32 + i / kRingCols, col = i % kRingCols;
+      out[(t * kRingRows + row) * kRingCols + col] =
+          stages[s * kRingRows * kRingCols + flash::swizzled<kRingRows>(row, col)];
+    }
+    if (thread == 0) turns[turn++] = consumer;
+    ptx::named_barrier_arrive(2 - consumer, 256);  // the other's turn
+    __syncwarp();
+    if (threadIdx.x % 32 == 0 && !(mistake == RingMistake::missed_release && consumer == 1))
+      ptx::mbarrier_arrive(&empty[s]);
+  }
+}
+
 struct Outcome {
   bool aborted;         // by a signal: SIGABRT
   int exit_code;        // otherwise
@@ -97,7 +167,12 @@ Outcome in_child(const std::function<void()>& body) {
   if (child == 0) {
     dup2(pipe_ends[1], STDERR_FILENO);
     close(pipe_ends[0]);
-    body();
+    try {
+      body();
+    } catch (const std::exception& e) {  // the child must not go on into the parent's other tests
+      std::fprintf(stderr, "exception: %s\n", e.what());
+      _exit(2);
+    }
     _exit(cudaDeviceSynchronize() == cudaSuccess && cudaGetLastError() == cudaSuccess ? 0 : 1);
   }
   close(pipe_ends[1]);
@@ -185,6 +260,77 @@ TEST_CASE("32 KiB of static shared memory beside 20 KiB of dynamic (52 of the 48
   check_refused("bytes of static __shared__ variables beside 20480 bytes of dynamic shared memory",
                 [&](size_t dynamic_bytes) { static_and_dynamic_kernel<<<1, 1, dynamic_bytes>>>(b.out); }, 20 << 10,
                 16 << 10);
+}
+
+// The ring's matrix [tiles x 64, 128] of distinct finite values, on the device, and its map.
+struct Ring {
+  Ring() : matrix(kRingTiles * kRingRows * 2 * kRingCols), out(matrix.size() / 2), turns(kRingTiles * 2) {
+    matrix.upload(to_bf16(random_normal(matrix.size(), 29)));
+    map = bf16_tile_map("the ring's matrix", matrix.get(), kRingTiles * kRingRows, 2 * kRingCols, 2 * kRingCols,
+                        kRingRows, kRingCols);
+    CUDA_CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kRingSharedBytes)));
+  }
+  void run(RingMistake mistake) {
+    ring_kernel<<<1, 384, kRingSharedBytes>>>(map, out.get(), turns.get(), mistake);
+    CUDA_CHECK_LAUNCH();
+  }
+  DeviceBuffer<bf16> matrix, out;
+  DeviceBuffer<int> turns;
+  CUtensorMap map;
+};
+
+TEST_CASE("TMA ring: a producer and two consumer warpgroups copy every box exactly, in turns") {
+  Ring ring;
+  ring.run(RingMistake::none);
+  const std::vector<double> matrix = to_double(ring.matrix.download()), out = to_double(ring.out.download());
+  size_t wrong = 0;
+  for (int r = 0; r < kRingTiles * kRingRows; ++r)
+    for (int c = 0; c < kRingCols; ++c) wrong += out[r * kRingCols + c] != matrix[r * 2 * kRingCols + kRingCols + c];
+  CHECK(wrong == 0);
+  const std::vector<int> turns = ring.turns.download();
+  for (size_t i = 0; i < turns.size(); ++i) CHECK(turns[i] == int(i % 2));
+}
+
+TEST_CASE("TMA ring: each injected bug stops the program, naming what went wrong") {
+  struct Case {
+    RingMistake mistake;
+    const char *what, *refusal;
+  };
+  const Case cases[] = {
+      {RingMistake::missed_release, "a consumer warpgroup never releases its stage",
+       "1 thread(s) from 0 wait for an mbarrier phase that never completes, at static shared byte 16"},
+      {RingMistake::wrong_parity, "consumers wait on the wrong phase parity",
+       "thread(s) from 128 wait for an mbarrier phase that never completes, at static shared byte 0"},
+      {RingMistake::no_wait, "consumers read without waiting", "an earlier copy, not yet waited for, also fills"},
+      {RingMistake::no_decrease, "the producer keeps its registers", "registers (setmaxnreg.inc) that no warp frees"},
+      {RingMistake::short_announce, "half the bytes announced", "TMA copies of 8192 bytes on a phase"},
+      {RingMistake::unpublished_init, "no fence.mbarrier_init", "no fence.mbarrier_init made visible"},
+  };
+  for (const Case& c : cases) {
+    const Outcome o = in_child([&] {
+      Ring ring;
+      ring.run(c.mistake);
+    });
+    std::printf("  %s: %s", c.what, o.errors.c_str());
+    CHECK(o.aborted);
+    CHECK(o.errors.find(c.refusal) != std::string::npos);
+  }
+  const Outcome garbage = in_child([] {
+    Ring ring;
+    std::memset(&ring.map, 0, sizeof ring.map);
+    ring.run(RingMistake::none);
+  });
+  std::printf("  a zeroed map: %s", garbage.errors.c_str());
+  CHECK(garbage.aborted);
+  CHECK(garbage.errors.find("not a tensor map") != std::string::npos);
+}
+
+TEST_CASE("TMA map: a start off 16 bytes or rows a stride not a multiple of 16 bytes are refused, naming the tensor") {
+  DeviceBuffer<bf16> matrix(4096);
+  CHECK_THROWS_WITH(bf16_tile_map("q", matrix.get() + 1, 16, 64, 64, 16, 64), "TMA map of q: cuTensorMapEncodeTiled");
+  CHECK_THROWS_WITH(bf16_tile_map("k", matrix.get(), 16, 60, 60, 16, 60), "TMA map of k: cuTensorMapEncodeTiled");
+  CHECK_THROWS_WITH(bf16_tile_map("v", matrix.get(), 16, 128, 128, 16, 128), "TMA map of v: cuTensorMapEncodeTiled");
+  bf16_tile_map("y", matrix.get(), 16, 128, 256, 16, 64);  // accepted
 }
 
 TEST_CASE("an FP8 product with a scale pointer 4 or 8 bytes off a 16-byte boundary is not supported") {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -113,6 +114,8 @@ struct Fiber {
   std::deque<std::vector<PendingCopy>> committed;   // groups in flight, oldest first
   std::vector<std::function<void()>> wgmma_uncommitted;
   std::deque<std::vector<std::function<void()>>> wgmma_committed;
+  const char* waiting_for = nullptr;  // what the thread waits on, for the deadlock report
+  uint64_t waiting_detail = 0;         // which one (a barrier's shared byte, a named barrier's id)
   bool wgmma_fenced = false;     // a wgmma.fence since the last commit
   bool copies_unfenced = false;  // cp.async copies landed since the last fence.proxy.async
 
@@ -120,6 +123,7 @@ struct Fiber {
   void start(const ThreadPosition& at, void* stack_pointer) {
     sp = stack_pointer;
     done = at_barrier = wgmma_fenced = copies_unfenced = false;
+    waiting_for = nullptr;
     barrier_generation = 0;
     position = at;
     uncommitted.clear();
@@ -128,6 +132,31 @@ struct Fiber {
     wgmma_committed.clear();
   }
 };
+
+// A TMA copy's box as it lands: `image` (read from global memory at the issue) over `bytes` of
+// shared memory from `shared`.
+struct TmaCopy {
+  unsigned char* shared;
+  std::vector<unsigned char> image;
+};
+
+struct MBarrier {
+  uint32_t count = 0, pending = 0;   // arrivals a phase needs; still missing in the current one
+  uint64_t phases = 0;               // completed so far
+  uint64_t announced = 0, issued = 0;  // the current phase's transaction bytes: expected, issued as copies
+  int initialised_by = -1;           // the thread that ran mbarrier.init
+  bool published = false;            // a fence.mbarrier_init by that thread since
+  std::vector<TmaCopy> in_flight;    // issued in the current phase
+  std::vector<TmaCopy> unlanded;     // of completed phases, before any thread saw them complete
+};
+
+constexpr int kNamedBarriers = 16;
+struct NamedBarrier {
+  int expected = 0, arrived = 0;
+  unsigned generation = 0;
+};
+
+constexpr int kRegisterFile = 64 * 1024;  // an SM's 32-bit registers: one block has them all
 
 struct StaticSharedMemory {
   alignas(256) unsigned char bytes[kMaxStaticSharedBytes];
@@ -148,6 +177,10 @@ struct Block {
   size_t static_bytes = 0, static_budget = 0;  // placed in this launch; the most the launch may place
   uint64_t launch = 0;  // this host thread's launches so far: when a StaticSharedPlace was placed
   const std::function<void()>* body = nullptr;
+  std::map<const uint64_t*, MBarrier> mbarriers;  // by the barrier's 8 bytes
+  NamedBarrier named[kNamedBarriers];
+  std::vector<int> warp_registers;  // setmaxnreg's registers per thread, by warp
+  int free_registers = 0;           // the block's registers no warp holds
 };
 
 struct HostThread {
@@ -227,6 +260,23 @@ void run_warp_to_barrier(Block& b, int w) {
   }
 }
 
+// What the block's live threads wait on, by kind: a barrier or warp operation that others never
+// reach, an mbarrier phase that never completes, registers no warp frees.
+std::string waits_of(const Block& b) {
+  std::map<std::string, std::vector<int>> threads;
+  for (const Fiber& f : b.fibers)
+    if (!f.done) {
+      std::string what = f.waiting_for ? f.waiting_for : "a barrier or warp operation that others never reach";
+      if (f.waiting_for && f.waiting_detail != ~0ull) what += " " + std::to_string(f.waiting_detail);
+      threads[what].push_back(f.position.linear_index());
+    }
+  std::string report;
+  for (const auto& [what, ids] : threads)
+    report += (report.empty() ? "" : "; ") + std::to_string(ids.size()) + " thread(s) from " +
+              std::to_string(ids.front()) + " wait for " + what;
+  return report;
+}
+
 void run_block(const LaunchConfig& c, dim3 block_index) {
   Block& b = host.block;
   const int threads = int(c.block.x * c.block.y * c.block.z), warps = (threads + 31) / 32;
@@ -243,6 +293,11 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   b.live = threads;
   b.arrived = 0;
   b.unfenced_threads = 0;
+  b.mbarriers.clear();
+  for (NamedBarrier& n : b.named) n = NamedBarrier{};
+  const int launch_registers = std::min(255, kRegisterFile / threads / 8 * 8);  // __launch_bounds__(threads, 1)
+  b.warp_registers.assign(warps, launch_registers);
+  b.free_registers = kRegisterFile - warps * 32 * launch_registers;
   // Shared memory starts as garbage on the GPU: poisoned here, so a read before a write shows.
   std::memset(b.shared.data(), 0xFF, b.shared.size());
   std::memset(b.static_shared->bytes, 0xFF, b.static_bytes);
@@ -251,7 +306,7 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
     for (int w = 0; w < warps; ++w) run_warp_to_barrier(b, w);
     if (b.progress == progress && b.live > 0)
       fatal("deadlock in block (" + std::to_string(block_index.x) + ", " + std::to_string(block_index.y) + ", " +
-            std::to_string(block_index.z) + "): threads wait at a barrier or warp operation that others never reach");
+            std::to_string(block_index.z) + "): " + waits_of(b));
   }
 }
 
@@ -357,6 +412,215 @@ uint32_t shared_window_address(const void* p) {
 SharedWindow dynamic_shared_window() {
   const std::vector<unsigned char>& shared = host.block.shared;
   return {shared.data(), uint32_t(shared.size())};
+}
+
+namespace {
+
+// What an initialised mbarrier's 8 bytes hold here (the GPU's own state is opaque): a value that
+// poison (0xFF) and a copied tile cannot be, so a barrier used before its init, or overwritten
+// since, is found at its next use.
+uint64_t mbarrier_tag(const uint64_t* barrier) {
+  return 0x6D62617272696572ull ^ reinterpret_cast<uintptr_t>(barrier);
+}
+
+bool in_dynamic_shared(const void* p) {
+  const Block& b = host.block;
+  const auto* byte = static_cast<const unsigned char*>(p);
+  return !b.shared.empty() && byte >= b.shared.data() && byte < b.shared.data() + b.shared.size();
+}
+
+// A byte's offset in the block's dynamic or static shared memory (counted apart).
+uint64_t shared_byte(const void* p) {
+  const Block& b = host.block;
+  const auto* byte = static_cast<const unsigned char*>(p);
+  return uint64_t(byte - (in_dynamic_shared(p) ? b.shared.data() : b.static_shared->bytes));
+}
+
+std::string shared_offset(const void* p) {
+  return (in_dynamic_shared(p) ? "dynamic shared byte " : "static shared byte ") + std::to_string(shared_byte(p));
+}
+
+MBarrier& initialised_mbarrier(uint64_t* barrier, const char* what) {
+  Block& b = host.block;
+  auto found = b.mbarriers.find(barrier);
+  if (found == b.mbarriers.end() || *barrier != mbarrier_tag(barrier))
+    fatal(std::string(what) + " on the mbarrier at " + shared_offset(barrier) +
+          (found == b.mbarriers.end() ? ", which no mbarrier.init set up in this block"
+                                      : ", whose 8 bytes were overwritten since its mbarrier.init"));
+  return found->second;
+}
+
+// Ends the current phase once its arrivals are in and its announced bytes issued: its copies wait
+// for a thread to see the phase complete.
+void complete_phase_if_done(MBarrier& m, uint64_t* barrier) {
+  if (m.pending > 0) return;
+  if (m.issued > m.announced)
+    fatal("TMA copies of " + std::to_string(m.issued) + " bytes on a phase of the mbarrier at " +
+          shared_offset(barrier) + " that announced " + std::to_string(m.announced) +
+          " (arrive.expect_tx): the phase would complete before the last of them lands");
+  if (m.issued < m.announced) return;
+  for (TmaCopy& c : m.in_flight) m.unlanded.push_back(std::move(c));
+  m.in_flight.clear();
+  ++m.phases;
+  m.pending = m.count;
+  m.announced = m.issued = 0;
+}
+
+bool overlaps(const TmaCopy& c, const unsigned char* start, size_t bytes) {
+  return c.shared < start + bytes && start < c.shared + c.image.size();
+}
+
+}  // namespace
+
+void mbarrier_init(uint64_t* barrier, uint32_t count) {
+  Block& b = host.block;
+  const auto* byte = reinterpret_cast<const unsigned char*>(barrier);
+  const bool in_dynamic = !b.shared.empty() && byte >= b.shared.data() && byte + 8 <= b.shared.data() + b.shared.size();
+  const bool in_static = byte >= b.static_shared->bytes && byte + 8 <= b.static_shared->bytes + b.static_bytes;
+  if (!in_dynamic && !in_static) fatal("mbarrier.init of memory outside the block's shared memory");
+  if (reinterpret_cast<uintptr_t>(barrier) % 8) fatal("mbarrier.init at an address that is not 8-byte aligned");
+  if (count == 0 || count >= (1u << 20)) fatal("mbarrier.init with a count outside [1, 2^20)");
+  MBarrier& m = b.mbarriers[barrier];
+  m = MBarrier{};
+  m.count = m.pending = count;
+  m.initialised_by = host.running->position.linear_index();
+  *barrier = mbarrier_tag(barrier);
+  ++b.progress;
+}
+
+void fence_mbarrier_init() {
+  const int me = host.running->position.linear_index();
+  for (auto& [barrier, m] : host.block.mbarriers)
+    if (m.initialised_by == me) m.published = true;
+}
+
+void mbarrier_arrive(uint64_t* barrier, uint32_t expect_tx_bytes) {
+  MBarrier& m = initialised_mbarrier(barrier, expect_tx_bytes ? "mbarrier.arrive.expect_tx" : "mbarrier.arrive");
+  m.announced += expect_tx_bytes;
+  --m.pending;
+  ++host.block.progress;
+  complete_phase_if_done(m, barrier);
+}
+
+bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) {
+  MBarrier& m = initialised_mbarrier(barrier, "mbarrier.try_wait");
+  if (m.phases % 2 == (parity & 1)) {  // the phase of that parity is the current one, not done
+    Fiber& me = *host.running;
+    me.waiting_for = in_dynamic_shared(barrier) ? "an mbarrier phase that never completes, at dynamic shared byte"
+                                              : "an mbarrier phase that never completes, at static shared byte";
+    me.waiting_detail = shared_byte(barrier);
+    yield();
+    me.waiting_for = nullptr;
+    return false;
+  }
+  for (const TmaCopy& c : m.unlanded) std::memcpy(c.shared, c.image.data(), c.image.size());
+  m.unlanded.clear();
+  ++host.block.progress;
+  return true;
+}
+
+void tma_load(void* shared, const void* map_address, const int* coordinates, int rank, uint64_t* barrier) {
+  Block& b = host.block;
+  MBarrier& m = initialised_mbarrier(barrier, "a TMA copy (cp.async.bulk.tensor)");
+  if (!m.published)
+    fatal("a TMA copy completes on the mbarrier at " + shared_offset(barrier) +
+          ", whose mbarrier.init no fence.mbarrier_init made visible to the async proxy");
+  EmulatedTensorMap map;
+  std::memcpy(&map, map_address, sizeof map);
+  if (map.magic != EmulatedTensorMap::kMagic)
+    fatal("a TMA copy through bytes that cuTensorMapEncodeTiled did not write (not a tensor map)");
+  if (int(map.rank) != rank)
+    fatal("a " + std::to_string(rank) + "-D TMA copy through a tensor map of rank " + std::to_string(map.rank));
+  const uint32_t window = shared_window_address(shared);
+  if (window % 128) fatal("a TMA copy into shared memory that is not 128-byte aligned");
+  uint32_t elements = 1;
+  for (int d = 0; d < rank; ++d) elements *= map.box[d];
+  const uint32_t row_bytes = map.box[0] * map.element_bytes, bytes = elements * map.element_bytes;
+  if (map.swizzle_bytes && row_bytes != map.swizzle_bytes)
+    fatal("a swizzled TMA box whose rows are not one swizzle span (the emulator implements only that)");
+  auto* destination = static_cast<unsigned char*>(shared);
+  if (uint64_t(destination - b.shared.data()) + bytes > b.shared.size())
+    fatal("a TMA copy past the end of the dynamic shared memory");
+  for (const auto& [other, state] : b.mbarriers)
+    for (const auto* copies : {&state.in_flight, &state.unlanded})
+      for (const TmaCopy& c : *copies)
+        if (overlaps(c, destination, bytes))
+          fatal("a TMA copy into shared memory that an earlier copy, not yet waited for, also fills");
+  TmaCopy copy{destination, std::vector<unsigned char>(bytes)};
+  for (uint32_t e = 0; e < elements; ++e) {
+    uint32_t index[3] = {e % map.box[0], 0, 0};
+    if (rank > 1) index[1] = e / map.box[0] % map.box[1];
+    if (rank > 2) index[2] = e / (map.box[0] * map.box[1]);
+    bool inside = true;
+    const unsigned char* source = map.base;
+    for (int d = 0; d < rank; ++d) {
+      const int64_t at = int64_t(coordinates[d]) + index[d];
+      inside = inside && at >= 0 && uint64_t(at) < map.dims[d];
+      source += at * int64_t(map.strides[d]);
+    }
+    uint32_t address = window + e * map.element_bytes;  // the box row-major, then swizzled
+    if (map.swizzle_bytes) address ^= (address >> 7 & (map.swizzle_bytes / 16 - 1)) << 4;
+    unsigned char* to = copy.image.data() + (address - window);
+    if (inside)
+      std::memcpy(to, source, map.element_bytes);
+    else
+      std::memset(to, 0, map.element_bytes);  // out of bounds: zeros
+  }
+  std::memset(destination, 0xFF, bytes);
+  m.in_flight.push_back(std::move(copy));
+  m.issued += bytes;
+  ++b.progress;
+  complete_phase_if_done(m, barrier);
+}
+
+void named_barrier(int id, int threads, bool wait) {
+  Block& b = host.block;
+  if (id < 1 || id >= kNamedBarriers) fatal("a named barrier id outside 1-15 (0 is __syncthreads')");
+  if (threads <= 0 || threads % 32 || threads > int(b.fibers.size()))
+    fatal("a named barrier of " + std::to_string(threads) + " threads: not a multiple of 32 within the block");
+  NamedBarrier& n = b.named[id];
+  if (n.arrived == 0) n.expected = threads;
+  if (threads != n.expected)
+    fatal("named barrier " + std::to_string(id) + " met with " + std::to_string(threads) + " and " +
+          std::to_string(n.expected) + " threads");
+  ++b.progress;
+  const unsigned generation = n.generation;
+  if (++n.arrived == n.expected) {
+    n.arrived = 0;
+    ++n.generation;
+    return;
+  }
+  if (!wait) return;
+  Fiber& me = *host.running;
+  me.waiting_for = "named barrier";
+  me.waiting_detail = uint64_t(id);
+  while (n.generation == generation) yield();
+  me.waiting_for = nullptr;
+}
+
+void set_max_registers(int registers, bool increase) {
+  const char* what = increase ? "setmaxnreg.inc" : "setmaxnreg.dec";
+  if (registers < 24 || registers > 256 || registers % 8) fatal(std::string(what) + " outside 24-256 or not a multiple of 8");
+  int all[32];
+  warp_exchange(what, &registers, all, sizeof registers);
+  for (int lane : all)
+    if (lane != registers) fatal(std::string(what) + " with different counts in one warp");
+  Block& b = host.block;
+  const int warp = host.running->position.linear_index() / 32;
+  int& held = b.warp_registers[warp];
+  if (host.running->position.linear_index() % 32 == 0) {  // the warp's accounting, once
+    if (increase ? registers < held : registers > held)
+      fatal(std::string(what) + " to " + std::to_string(registers) + " registers from " + std::to_string(held));
+    const int change = 32 * (registers - held);
+    host.running->waiting_for = "registers (setmaxnreg.inc) that no warp frees";
+    host.running->waiting_detail = ~0ull;
+    while (increase && b.free_registers < change) yield();  // until another warp's decrease frees them
+    host.running->waiting_for = nullptr;
+    b.free_registers -= change;
+    held = registers;
+    ++b.progress;
+  }
+  warp_pick("setmaxnreg done", 0, 0);  // the warp goes on together, with its registers
 }
 
 void sync_threads() {

@@ -1,8 +1,9 @@
 // Attention against the CPU reference (the block lists themselves: tests/test_attention_mask.cu):
 // the flash kernels' wgmma products alone, then forward (y) and backward (dq, dk, dv) of the
-// implementations (the warp-per-row baseline, the tensor-core flash kernels with the fused backward
-// and with the two-kernel one) on random layouts for every window size 1..14, long and short (W/2);
-// the fused backward bitwise the same on a second run.
+// implementations (the warp-per-row baseline, the tensor-core flash kernels with the fused backward,
+// with the two-kernel one, and with the warp-specialised TMA forward) on random layouts for every
+// window size 1..14, long and short (W/2); the fused backward bitwise the same on a second run, the
+// warp-specialised forward bitwise the same as the other.
 #include "gpu/gpu_test.h"
 #include "kernels/attention.cuh"
 #include "kernels/flash_attention.cuh"
@@ -77,9 +78,12 @@ struct LayoutMask {
   }
 };
 
-enum class Implementation { baseline, flash, flash_split };
+enum class Implementation { baseline, flash, flash_split, flash_ws };
 const char* name_of(Implementation impl) {
-  return impl == Implementation::baseline ? "baseline" : impl == Implementation::flash ? "flash" : "split";
+  return impl == Implementation::baseline ? "baseline"
+         : impl == Implementation::flash  ? "flash"
+         : impl == Implementation::flash_split ? "split"
+                                               : "ws";
 }
 
 // Inputs: Gaussian q and k (std 0.6: scores of std ~0.5), or as the model makes them, each head's
@@ -119,10 +123,12 @@ void check_attention(const std::vector<uint16_t>& tokens, int window, uint64_t s
   for (auto* b : {&y, &dq, &dk, &dv}) b->poison();
   scratch.poison();
   AttentionTensors a{T, H, H * D, H * D, H * D};
-  auto forward = impl == Implementation::baseline ? attention_forward : flash_attention_forward;
-  auto backward = impl == Implementation::baseline ? attention_backward
-                  : impl == Implementation::flash  ? flash_attention_backward
-                                                   : flash_attention_backward_split;
+  auto forward = impl == Implementation::baseline   ? attention_forward
+                 : impl == Implementation::flash_ws ? flash_attention_forward_ws
+                                                    : flash_attention_forward;
+  auto backward = impl == Implementation::baseline      ? attention_backward
+                  : impl == Implementation::flash_split ? flash_attention_backward_split
+                                                        : flash_attention_backward;
   forward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), lse.get(), a, mask, 0);
   backward(dq_in.get(), dk_in.get(), dv_in.get(), y.get(), ddy.get(), lse.get(), scratch.get(), dq.get(), dk.get(),
            dv.get(), a, mask, 0);
@@ -152,6 +158,7 @@ void check_both(const std::vector<uint16_t>& tokens, int window, uint64_t seed, 
 std::vector<int> windows_to_check(Implementation impl) {
   if (emulating_a_subset()) {
     if (impl == Implementation::flash) return {1, 2, 7, 14};
+    if (impl == Implementation::flash_ws) return {2, 14};
     return impl == Implementation::flash_split ? std::vector<int>{3, 14} : std::vector<int>{1, 3};
   }
   std::vector<int> all;
@@ -238,6 +245,10 @@ TEST_CASE("flash with the two-kernel backward (--attention flash-split): the sam
   check_windows(Implementation::flash_split);
 }
 
+TEST_CASE("flash with the warp-specialised forward (--attention flash-ws): the same") {
+  check_windows(Implementation::flash_ws);
+}
+
 TEST_CASE("baseline: forward and backward match the reference for windows 1..14, long and short") {
   check_windows(Implementation::baseline);
 }
@@ -272,12 +283,12 @@ TEST_CASE("flash attention refuses each tensor one element off its alignment, na
   const AttentionTensors a{T, H, H * D, H * D, H * D};
   // `buffer` one element past its start if it is the one named `off`.
   auto at = [](auto& buffer, const char* name, const char* off) { return buffer.get() + (std::strcmp(name, off) == 0); };
-  for (const char* off : {"q", "k", "v", "y"}) {
-    const std::string refusal = std::string("flash attention: ") + off + " must start";
-    CHECK_THROWS_WITH(flash_attention_forward(at(q, "q", off), at(k, "k", off), at(v, "v", off), at(y, "y", off),
-                                              lse.get(), a, mask, 0),
-                      refusal.c_str());
-  }
+  for (auto forward : {flash_attention_forward, flash_attention_forward_ws})
+    for (const char* off : {"q", "k", "v", "y"}) {
+      const std::string refusal = std::string("flash attention: ") + off + " must start";
+      CHECK_THROWS_WITH(forward(at(q, "q", off), at(k, "k", off), at(v, "v", off), at(y, "y", off), lse.get(), a, mask, 0),
+                        refusal.c_str());
+    }
   for (auto backward : {flash_attention_backward, flash_attention_backward_split})
     for (const char* off : {"q", "k", "v", "dy", "lse", "scratch", "dq", "dk", "dv"}) {
       const std::string refusal = std::string("flash attention: ") + off + " must start";
@@ -318,6 +329,37 @@ TEST_CASE("the fused backward's dq, dk and dv are bitwise the same on a second r
     std::printf("  %s of two runs: %s\n", names[i], same ? "bitwise the same" : "DIFFERENT");
     CHECK(same);
   }
+}
+
+// Both forwards run the same products and softmax steps in the same order on each row, so the
+// warp-specialised one (TMA copies, producer and consumer warpgroups, ping-pong) must give the other's
+// y and lse bit for bit: at the record's window and heads, over many items a CTA (the persistent
+// grids walk several), with poisoned outputs.
+TEST_CASE("the warp-specialised forward's y and lse are bitwise the other forward's (window 14, 6 heads)") {
+  const int T = 128 * (emulating_a_subset() ? 16 : 64), H = 6;
+  const std::vector<uint16_t> tokens = layout(T, 600.0, 800);
+  const LayoutMask layout_mask(tokens, 14);
+  const size_t n = size_t(T) * H * D;
+  DeviceBuffer<bf16> q(to_bf16(random_normal(n, 801, 0.6))), k(to_bf16(random_normal(n, 802, 0.6))),
+      v(to_bf16(random_normal(n, 803)));
+  const AttentionTensors a{T, H, H * D, H * D, H * D};
+  std::vector<bf16> y[2];
+  std::vector<float> lse[2];
+  for (int ws = 0; ws < 2; ++ws) {
+    DeviceBuffer<bf16> y_dev(n);
+    DeviceBuffer<float> lse_dev(size_t(T) * H);
+    y_dev.poison();
+    lse_dev.poison();
+    (ws ? flash_attention_forward_ws : flash_attention_forward)(q.get(), k.get(), v.get(), y_dev.get(), lse_dev.get(),
+                                                                a, *layout_mask.mask, 0);
+    y[ws] = y_dev.download(), lse[ws] = lse_dev.download();
+  }
+  const bool same_y = std::memcmp(y[0].data(), y[1].data(), n * sizeof(bf16)) == 0,
+             same_lse = std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(float)) == 0;
+  std::printf("  y: %s, lse: %s\n", same_y ? "bitwise the same" : "DIFFERENT", same_lse ? "bitwise the same" : "DIFFERENT");
+  CHECK(same_y);
+  CHECK(same_lse);
+  CHECK(all_finite(to_double(y[1])));
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

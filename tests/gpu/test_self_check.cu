@@ -102,6 +102,20 @@ TEST_CASE("a path its flag replaced already is not checked: a failure there chan
   CHECK(same_paths(outcome.paths, paths_of(h)));
 }
 
+// --attention flash-ws: the self-check checks the warp-specialised forward the run uses; it passes
+// with no fault, and a wrong flash attention there falls back to the reference as with the default.
+TEST_CASE("--attention flash-ws: the self-check checks the warp-specialised forward; a wrong one falls back") {
+  Hyperparameters h;
+  h.attention = "flash-ws";
+  const SelfCheckOutcome passed = self_check_with(h, Fault::none);
+  CHECK(passed.failed_paths.empty());
+  CHECK(passed.paths.warp_specialised_attention_forward);
+  const SelfCheckOutcome failed = self_check_with(h, Fault::wrong_flash_attention);
+  std::printf("  %s\n", failed.lines.back().c_str());
+  CHECK(failed.failed_paths == "flash attention");
+  CHECK(!failed.paths.flash_attention);
+}
+
 TEST_CASE("a check that throws (a library refusing on new hardware) fails its path instead of ending the rank") {
   std::vector<SelfCheckResult> results;
   self_check::add_results(results, {{"batched Muon 3x3", &KernelPaths::batched_muon, 1e-2}},
