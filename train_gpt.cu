@@ -105,6 +105,7 @@ struct Hyperparameters {
   std::string fp8_gradient = "fused";  // fused or cast
   std::string muon = "batched";        // batched or per-matrix
   std::string residual_add = "fused";  // fused or separate
+  std::string mlp_fc = "cublaslt";     // cublaslt or fused (opt-in until measured on a GPU)
   std::string self_check = "fallback"; // fallback, strict or off
   bool self_check_only = false;        // run the self-check and exit
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
@@ -247,6 +248,10 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        one_of(&h.muon, {"batched", "per-matrix"}), "batched or per-matrix"},
       {"residual-add", &h.residual_add, "residual adds: fused (cuBLASLt's C) or separate (a matmul, then an add)",
        one_of(&h.residual_add, {"fused", "separate"}), "fused or separate"},
+      {"mlp-fc", &h.mlp_fc,
+       "the MLP's first product and ReLU²: cublaslt (cuBLASLt, then a ReLU² pass) or fused (our TMA / wgmma GEMM "
+       "with ReLU² in its epilogue; opt-in until measured faster on a GPU)",
+       one_of(&h.mlp_fc, {"cublaslt", "fused"}), "cublaslt or fused"},
       {"self-check", &h.self_check,
        "check the fast paths at start-up: fallback (a failing one's reference), strict (exit 6), off",
        one_of(&h.self_check, {"fallback", "strict", "off"}), "fallback, strict or off"},
@@ -1193,8 +1198,12 @@ class GPT {
     LayerActivations& l = a_->layers[i];
     const int d = c_.model_dim, F = c_.mlp_dim();
     if (c_.has_attention[i]) rmsnorm_forward(l.x_mid, l.h_mlp, T_, d, stream_);  // else mix_norm_forward's
-    linear(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.u, F, d);
-    relu_squared_forward(l.u, l.a, size_t(T_) * F, stream_);
+    if (paths_.fused_mlp_fc) {  // a = relu(h W^T)^2 in one pass; u is not written
+      matmul_relu_squared(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.a, T_, F, d, stream_);
+    } else {
+      linear(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.u, F, d);
+      relu_squared_forward(l.u, l.a, size_t(T_) * F, stream_);
+    }
     linear(l.a, params.weight(ParamKind::mlp_proj, i), l.x_out, d, F, /*residual=*/l.x_mid);
   }
 
@@ -1270,7 +1279,10 @@ class GPT {
     const int d = c_.model_dim, F = c_.mlp_dim();
     // x_out = x_mid + a W_proj^T: dx passes through to x_mid
     linear_backward(l.a, params.weight(ParamKind::mlp_proj, i), a.dx, a.du, params.grad(ParamKind::mlp_proj, i), d, F);
-    relu_squared_backward(l.u, a.du, a.du, size_t(T_) * F, stream_);
+    if (paths_.fused_mlp_fc)
+      relu_squared_backward_from_square(l.a, a.du, a.du, size_t(T_) * F, stream_);
+    else
+      relu_squared_backward(l.u, a.du, a.du, size_t(T_) * F, stream_);
     linear_backward(l.h_mlp, params.weight(ParamKind::mlp_fc, i), a.du, a.dh, params.grad(ParamKind::mlp_fc, i), F, d);
     // without attention x_mid is x_mixed, whose norm's backward is mix_norm_backward's
     if (c_.has_attention[i]) rmsnorm_backward(l.x_mid, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
@@ -2270,6 +2282,7 @@ inline KernelPaths paths_of(const Hyperparameters& h) {
   p.fused_e5m2_gradient = h.fp8_gradient == "fused";
   p.batched_muon = h.muon == "batched";
   p.fused_residual_add = h.residual_add == "fused";
+  p.fused_mlp_fc = h.mlp_fc == "fused";
   return p;
 }
 

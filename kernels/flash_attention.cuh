@@ -24,17 +24,19 @@
 #include "kernels/attention.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/tensor_map.cuh"
+#include "kernels/wgmma_tiles.cuh"
 
 #include <initializer_list>
 
 namespace flash {
+
+using namespace wgmma_tiles;
 
 constexpr int kTile = 128;                      // tokens per tile: the mask's block
 constexpr int kWarps = kTile / 16;              // 16 rows per warp
 constexpr int kThreads = kWarps * 32;
 constexpr size_t kTileElements = size_t(kTile) * kAttentionHeadDim;
 constexpr int kStages = 2;  // buffers of the walked tiles
-constexpr uint32_t kSwizzleAtomBytes = 1024;  // 8 rows of 128 bytes
 constexpr uint32_t kHalfTileBytes = kTile * 64 * sizeof(bf16);  // one column half: [128 rows][64]
 // Shared tiles (and room to align them to an atom): forward Q + stages x (K, V); backward two
 // fixed tiles + stages x two walked ones.
@@ -45,28 +47,6 @@ constexpr int kDsRows = 64;
 constexpr size_t kFusedBackwardSharedBytes = kBackwardSharedBytes + kDsRows * kTile * sizeof(bf16);
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kScaleLog2 = kAttentionScale * kLog2e;  // scores in base 2: exp2 on the fast path
-
-template <int kRows = kTile>
-__device__ inline int swizzled(int row, int col) {  // element (row, col) of a tile of kRows rows
-  return col / 64 * (kRows * 64) + row * 64 + ((((col % 64) >> 3) ^ (row & 7)) << 3) + (col & 7);
-}
-
-// The descriptor of a matrix in shared memory laid out in 128-byte swizzle atoms (8 rows of 128
-// bytes, 16-byte chunk c of row r at c ^ (r % 8); atoms 1024-byte aligned). `leading` and `stride`
-// are PTX's leading- and stride-dimension byte offsets: for a K-major operand `stride` is the
-// distance between 8-row groups (leading unused); for an MN-major one `leading` separates groups of
-// 64 MN elements and `stride` groups of 8 k rows.
-__device__ inline uint64_t swizzled_128b_descriptor(const void* start, uint32_t leading, uint32_t stride) {
-  return uint64_t((ptx::shared_address(start) & 0x3FFFF) >> 4) | uint64_t(leading >> 4) << 16 |
-         uint64_t(stride >> 4) << 32 | uint64_t(1) << 62;
-}
-
-// wgmma's swizzle acts on shared-window address bits: tiles must start on an atom boundary, which
-// the dynamic shared memory itself need not (static shared variables come first).
-__device__ inline bf16* align_to_swizzle_atom(bf16* p) {
-  const uint32_t misalignment = ptx::shared_address(p) % kSwizzleAtomBytes;
-  return p + (misalignment ? (kSwizzleAtomBytes - misalignment) / sizeof(bf16) : 0);
-}
 
 // rows [0, 128) of a [T, stride] matrix from `src` into a swizzled tile, 16 bytes per cp.async.
 __device__ inline void load_tile_async(bf16* tile, const bf16* src, int64_t stride) {
@@ -112,29 +92,6 @@ __device__ inline void wait_tiles() {
   ptx::cp_async_wait_group<pending_groups_left>();
   ptx::fence_proxy_async_shared();
   __syncthreads();
-}
-
-__device__ inline uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Pins an accumulator's (or A fragment's) register accesses to their side of a wgmma fence or
-// wait: writes before the issue stay before it, reads after the wait stay after it.
-template <typename T, int N>
-__device__ inline void fence_registers(T (&r)[N][4]) {
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) ptx::fence_operand(r[n][e]);
-}
-
-// Waits for all of the warpgroup's wgmma groups; the accumulators named may be read from here on,
-// and the tiles they read refilled (after a barrier).
-template <typename... Accumulators>
-__device__ inline void wgmma_wait_all(Accumulators&... acc) {
-  ptx::wgmma_wait<0>();
-  (fence_registers(acc), ...);
 }
 
 // Issues, as one group, s[64 x N] = A[a_row .. +64, 0..128) B[b_row .. +N, 0..128)^T for the
@@ -196,20 +153,10 @@ __device__ inline void wgmma_p_b(float (&acc)[kAttentionHeadDim / 8][4], const f
   wgmma_p_b(acc, af, b, b_row);
 }
 
-template <int N>
-__device__ inline void zero(float (&acc)[N][4]) {
-#pragma unroll
-  for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-}
-
 // A (query block, kv block) pair needs element masks unless it is strictly causal and the kv block
 // lies in the document of every query (last_start: the query tile's last document start; starts
 // only grow).
 __device__ inline bool needs_mask(int qb, int kb, int last_start) { return kb == qb || last_start > kb * kTile; }
-
-// The element of accumulator n-tile n, register e: its row and column inside the 16 x 8N tile.
-__device__ inline int fragment_row(int e) { return threadIdx.x % 32 / 4 + (e >= 2 ? 8 : 0); }
-__device__ inline int fragment_col(int n, int e) { return n * 8 + threadIdx.x % 4 * 2 + (e & 1); }
 
 __device__ inline float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -440,18 +387,6 @@ __device__ inline void tma_load_tile(bf16* tile, const CUtensorMap& map, int h, 
                      token0, full);
 }
 
-// The u-th K (or V) tile a CTA walks: its stage and the parity of that stage's phase.
-struct StageUse {
-  int stage;
-  uint32_t parity;
-};
-__device__ inline StageUse stage_use(uint32_t u) { return {int(u % kStages), u / kStages % 2}; }
-
-__device__ inline void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
-  while (!ptx::mbarrier_try_wait(barrier, parity)) {
-  }
-}
-
 __global__ void __launch_bounds__(kWsThreads, 1)
     forward_ws_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                       const __grid_constant__ CUtensorMap v_map, bf16* y, float* lse, AttentionTensors a,
@@ -489,7 +424,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       ptx::mbarrier_arrive_expect_tx(q_full, kTileBytes);
       tma_load_tile(q_tile, q_map, h, qb * kTile, q_full);
       for (int j = 0; j < m.kv_count[qb]; ++j, ++use) {
-        const StageUse u = stage_use(use);
+        const StageUse u = stage_use<kStages>(use);
         mbarrier_wait(k_empty + u.stage, u.parity ^ 1);
         ptx::mbarrier_arrive_expect_tx(k_full + u.stage, kTileBytes);
         tma_load_tile(k_tile(u.stage), k_map, h, k0_of(qb, j), k_full + u.stage);
@@ -526,7 +461,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     mbarrier_wait(q_full, r % 2);
     if (count > 0) {
       float s[N][4];  // the scores of block j, then its P
-      const StageUse first = stage_use(use);
+      const StageUse first = stage_use<kStages>(use);
       mbarrier_wait(k_full + first.stage, first.parity);
       my_turn();
       wgmma_a_bt<kTile>(s, q_tile, consumer * 64, k_tile(first.stage), 0);
@@ -536,7 +471,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       if (count == 1) release(q_empty);
       softmax_of_block(s, 0);
       for (int j = 0; j + 1 < count; ++j) {  // the last block peeled, as in forward_kernel
-        const StageUse now = stage_use(use + j), next = stage_use(use + j + 1);
+        const StageUse now = stage_use<kStages>(use + j), next = stage_use<kStages>(use + j + 1);
         mbarrier_wait(k_full + next.stage, next.parity);
         mbarrier_wait(v_full + now.stage, now.parity);
         uint32_t p[kTile / 16][4];
@@ -554,7 +489,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         release(v_empty + now.stage);
         rescale(o, correction);
       }
-      const StageUse last = stage_use(use + count - 1);
+      const StageUse last = stage_use<kStages>(use + count - 1);
       mbarrier_wait(v_full + last.stage, last.parity);
       my_turn();
       wgmma_p_b<kTile / 16>(o, s, v_tile(last.stage), 0);

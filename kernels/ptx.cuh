@@ -69,33 +69,46 @@ __device__ inline void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"
 #define PTX_ACCUMULATOR_NAMES_0_TO_31                                                                     \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                              \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define PTX_M64N256_ACCUMULATOR(d)                                                                          \
+  PTX_M64N128_ACCUMULATOR(d), PTX_ACCUMULATOR_TILE(d, 16), PTX_ACCUMULATOR_TILE(d, 17), PTX_ACCUMULATOR_TILE(d, 18), \
+      PTX_ACCUMULATOR_TILE(d, 19), PTX_ACCUMULATOR_TILE(d, 20), PTX_ACCUMULATOR_TILE(d, 21),                       \
+      PTX_ACCUMULATOR_TILE(d, 22), PTX_ACCUMULATOR_TILE(d, 23), PTX_ACCUMULATOR_TILE(d, 24),                       \
+      PTX_ACCUMULATOR_TILE(d, 25), PTX_ACCUMULATOR_TILE(d, 26), PTX_ACCUMULATOR_TILE(d, 27),                       \
+      PTX_ACCUMULATOR_TILE(d, 28), PTX_ACCUMULATOR_TILE(d, 29), PTX_ACCUMULATOR_TILE(d, 30),                       \
+      PTX_ACCUMULATOR_TILE(d, 31)
 #define PTX_M64N64_ACCUMULATOR_TEXT "{" PTX_ACCUMULATOR_NAMES_0_TO_31 "}, "
 #define PTX_M64N128_ACCUMULATOR_TEXT                                                                    \
   "{" PTX_ACCUMULATOR_NAMES_0_TO_31 ", "                                                              \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                   \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+#define PTX_M64N256_ACCUMULATOR_TEXT                                                                    \
+  "{" PTX_ACCUMULATOR_NAMES_0_TO_31 ", "                                                              \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                   \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                   \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "   \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "   \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "   \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" "}, "
 
 // d[64 x N] = A[64 x 16] B[16 x N] (+ d when accumulate), bf16 operands, fp32 accumulation, A and B
 // from shared memory (A K-major; B K-major, or N-major with trans_b). Thread l of warp w of the
 // warpgroup holds d[n][e] at row 16 w + l / 4 + (e >= 2 ? 8 : 0), column 8 n + 2 (l % 4) + (e & 1):
-// mma.sync's m16n8 layout, repeated.
-template <int trans_b>
-__device__ inline void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PTX_M64N128_ACCUMULATOR_TEXT
-               "%64, %65, p, 1, 1, 0, %67;\n}\n"
-               : PTX_M64N128_ACCUMULATOR(d)
-               : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));
-}
-
-template <int trans_b>
-__device__ inline void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PTX_M64N64_ACCUMULATOR_TEXT
-               "%32, %33, p, 1, 1, 0, %35;\n}\n"
-               : PTX_M64N64_ACCUMULATOR(d)
-               : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));
-}
+// mma.sync's m16n8 layout, repeated. One definition for N = 64, 128 and 256: the accumulator's
+// operands and text, then the numbers of the operands after it (desc_a, desc_b, the predicate's
+// source, trans_b).
+#define PTX_DEFINE_WGMMA_SS(N, TILES, ACCUMULATOR, ACCUMULATOR_TEXT, A, B, SCALE, TRANS)                        \
+  template <int trans_b>                                                                                       \
+  __device__ inline void wgmma_m64n##N##k16_ss(float(&d)[TILES][4], uint64_t desc_a, uint64_t desc_b,          \
+                                                bool accumulate) {                                             \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE ", 0;\n"                                          \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 " ACCUMULATOR_TEXT                   \
+                 "%" #A ", %" #B ", p, 1, 1, 0, %" #TRANS ";\n}\n"                                             \
+                 : ACCUMULATOR(d)                                                                              \
+                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));                              \
+  }
+PTX_DEFINE_WGMMA_SS(64, 8, PTX_M64N64_ACCUMULATOR, PTX_M64N64_ACCUMULATOR_TEXT, 32, 33, 34, 35)
+PTX_DEFINE_WGMMA_SS(128, 16, PTX_M64N128_ACCUMULATOR, PTX_M64N128_ACCUMULATOR_TEXT, 64, 65, 66, 67)
+PTX_DEFINE_WGMMA_SS(256, 32, PTX_M64N256_ACCUMULATOR, PTX_M64N256_ACCUMULATOR_TEXT, 128, 129, 130, 131)
 
 // d[64 x 128] (+)= A[64 x 16] B[16 x 128] with A from registers: thread l of warp w holds the
 // warp's 16 rows as mma.sync's m16n8k16 A fragment (g = l / 4, t = l % 4): a = {(g, 2t..),

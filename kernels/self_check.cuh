@@ -11,11 +11,15 @@
 //   the cross-entropy's fused e5m2 gradient    --fp8-gradient cast: bf16 gradient, then a cast
 //   batched Muon (strided cuBLASLt batches)    --muon per-matrix: Newton-Schulz one matrix at a time
 //   the residual as cuBLASLt's C               --residual-add separate: the product, then an add
+//   the MLP fc with ReLU² in our GEMM          --mlp-fc cublaslt: cuBLASLt's product, then the pass
+//     (gemm_epilogue.cuh; opt-in: checked only where --mlp-fc fused asks for it)
 #pragma once
+#include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/check_arrays.cuh"
 #include "kernels/host/faults.h"
 #include "kernels/flash_attention.cuh"
+#include "kernels/gemm_epilogue.cuh"
 #include "kernels/fp8_head.cuh"
 #include "kernels/muon.cuh"
 #include "kernels/residual.cuh"
@@ -36,6 +40,7 @@ struct KernelPaths {
   bool fused_e5m2_gradient = true;
   bool batched_muon = true;
   bool fused_residual_add = true;
+  bool fused_mlp_fc = false;  // opt-in (--mlp-fc fused) until measured on a GPU
 };
 
 // The attention forward that a run's paths select.
@@ -53,12 +58,14 @@ inline AttentionBackward attention_backward_of(const KernelPaths& p) {
 }
 
 // A fast path: its KernelPaths member, its name in the log, the flag that selects its reference,
-// and the test-only fault that gives it a wrong result (kernels/host/faults.h).
+// the test-only fault that gives it a wrong result (kernels/host/faults.h), and whether a run takes
+// it only when asked (opt-in: not yet measured faster on a GPU).
 struct FastPath {
   bool KernelPaths::*member;
   const char* name;
   const char* reference_flag;
   Fault fault;
+  bool opt_in = false;
 };
 
 inline const std::vector<FastPath>& fast_paths() {
@@ -70,6 +77,7 @@ inline const std::vector<FastPath>& fast_paths() {
       {&KernelPaths::batched_muon, "batched Muon", "--muon per-matrix", Fault::wrong_batched_muon},
       {&KernelPaths::fused_residual_add, "residual as cuBLASLt's C", "--residual-add separate",
        Fault::wrong_fused_residual_add},
+      {&KernelPaths::fused_mlp_fc, "fused MLP fc", "--mlp-fc cublaslt", Fault::wrong_fused_mlp_fc, /*opt_in=*/true},
   };
   return paths;
 }
@@ -100,7 +108,7 @@ struct SelfCheckShape {
   int model_dim, num_heads, vocab_size;
   int attention_tokens = 16 * kAttentionBlock;
   int head_rows = 128;      // the FP8 head's rows (a multiple of 16)
-  int residual_rows = 256;  // tokens of the residual products
+  int residual_rows = 256;  // tokens of the residual products and the MLP fc (a multiple of 128)
 };
 
 namespace self_check {
@@ -270,6 +278,18 @@ inline double residual_error(int rows, int n, int k, Matmul& matmul, cudaStream_
   return fast_path_error(outputs[0], outputs[1], Fault::wrong_fused_residual_add);
 }
 
+// The MLP's first product with ReLU² in our GEMM's epilogue against cuBLASLt's product and the
+// separate pass: rows x 4n from [rows, n] and [4n, n].
+inline double mlp_fc_error(int rows, int n, Matmul& matmul, cudaStream_t stream) {
+  const int F = 4 * n;
+  DeviceBuffer<bf16> x(random_bf16(size_t(rows) * n, 1.0, 44)), w(random_bf16(size_t(F) * n, 0.03, 45)),
+      u(size_t(rows) * F), fused(size_t(rows) * F), separate(size_t(rows) * F);
+  matmul_relu_squared(x.get(), w.get(), fused.get(), rows, F, n, stream);
+  matmul(x.get(), Transpose::N, w.get(), Transpose::T, u.get(), rows, F, n, CUDA_R_16BF, stream);
+  relu_squared_forward(u.get(), separate.get(), size_t(rows) * F, stream);
+  return fast_path_error(to_double(fused.download()), to_double(separate.download()), Fault::wrong_fused_mlp_fc);
+}
+
 // The results of checks that run together (one error each): an exception inside them (cuBLASLt
 // refusing a layout on new hardware, say) fails them all with its message, instead of leaving
 // this rank before the ranks' vote.
@@ -325,6 +345,9 @@ inline std::vector<SelfCheckResult> run_self_check(const SelfCheckShape& s, cons
                              &KernelPaths::batched_muon, kMuonBound}},
                   [&] { return std::vector<double>{muon_error(rows, d, count, matmul, stream)}; });
     }
+  if (in_use.fused_mlp_fc)
+    add_results(results, {{"fused MLP fc + ReLU²", &KernelPaths::fused_mlp_fc, kBf16PathsBound}},
+                [&] { return std::vector<double>{mlp_fc_error(s.residual_rows, d, matmul, stream)}; });
   if (in_use.fused_residual_add)
     for (int k : {d, 4 * d})
       add_results(results, {{"residual as cuBLASLt's C, k = " + std::to_string(k), &KernelPaths::fused_residual_add,

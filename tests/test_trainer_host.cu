@@ -106,10 +106,12 @@ TEST_CASE("bad flags are errors that name the flag") {
 
 TEST_CASE("the fast paths' flags select their references; the self-check's modes") {
   KernelPaths fast = paths_of(parsed({}));
-  for (const FastPath& p : fast_paths()) CHECK(fast.*p.member);
+  for (const FastPath& p : fast_paths()) CHECK(fast.*p.member == !p.opt_in);  // opt-in paths only when asked
+  CHECK(paths_of(parsed({"--mlp-fc", "fused"})).fused_mlp_fc);
   KernelPaths references = paths_of(parsed({"--attention", "reference", "--bf16-head", "--fp8-gradient=cast", "--muon",
-                                            "per-matrix", "--residual-add", "separate"}));
+                                            "per-matrix", "--residual-add", "separate", "--mlp-fc", "cublaslt"}));
   for (const FastPath& p : fast_paths()) CHECK(!(references.*p.member));
+  CHECK_THROWS_WITH(parse_only({"--mlp-fc", "cudnn"}), "--mlp-fc = cudnn: must be cublaslt or fused");
   CHECK(parsed({}).self_check == "fallback" && !parsed({}).self_check_only);
   CHECK(parsed({"--self-check", "strict", "--self-check-only"}).self_check_only);
   CHECK_THROWS_WITH(parse_only({"--self-check", "on"}), "--self-check = on: must be fallback, strict or off");

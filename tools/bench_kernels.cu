@@ -13,6 +13,7 @@
 #include "kernels/embedding.cuh"
 #include "kernels/flash_attention.cuh"
 #include "kernels/fp8_head.cuh"
+#include "kernels/gemm_epilogue.cuh"
 #include "kernels/matmul.cuh"
 #include "kernels/muon.cuh"
 #include "kernels/norms.cuh"
@@ -154,6 +155,22 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
     row(name, median_ms([&] { matmul(y, Transpose::T, x, Transpose::N, dw, l.out, l.in, T, CUDA_R_32F, 0); }), 0, flops, peaks);
     for (void* p : {(void*)x, (void*)w, (void*)y, (void*)dx, (void*)dw}) cudaFree(p);
   }
+  // Issue 29, item 4: the MLP's fc product with ReLU² as cuBLASLt + the separate pass, against our
+  // TMA / wgmma GEMM plain and with the ReLU² epilogue (kernels/gemm_epilogue.cuh). The fused row
+  // wins if it beats the first row; the plain one says how far our GEMM is from cuBLASLt's.
+  bf16 *h = random_bf16(size_t(T) * D, 1.0f, 5), *w_fc = random_bf16(size_t(F) * D, 0.02f, 6);
+  bf16 *u = device_alloc<bf16>(size_t(T) * F), *a = device_alloc<bf16>(size_t(T) * F);
+  const double fc_flops = 2.0 * T * D * double(F);
+  row("mlp fc + relu^2: cuBLASLt, then the pass", median_ms([&] {
+        matmul(h, Transpose::N, w_fc, Transpose::T, u, T, F, D, CUDA_R_16BF, 0);
+        relu_squared_forward(u, a, size_t(T) * F, 0);
+      }), 0, fc_flops, peaks);
+  row("mlp fc: our gemm (TMA, wgmma), plain", median_ms([&] {
+        gemm_epilogue::gemm_tn<gemm_epilogue::Identity>(h, w_fc, u, T, F, D, 0);
+      }), 0, fc_flops, peaks);
+  row("mlp fc + relu^2: our gemm, fused epilogue", median_ms([&] { matmul_relu_squared(h, w_fc, a, T, F, D, 0); }), 0,
+      fc_flops, peaks);
+  for (void* p : {(void*)h, (void*)w_fc, (void*)u, (void*)a}) cudaFree(p);
 }
 
 // The FP8 head of SPEC 1.5 over one micro-sequence: the T rows in chunks of 8192, as the model runs

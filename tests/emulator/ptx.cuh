@@ -144,6 +144,11 @@ void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, bo
 }
 
 template <int trans_b>
+void wgmma_m64n256k16_ss(float (&d)[32][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  wgmma_ss<trans_b>(d, desc_a, desc_b, accumulate);
+}
+
+template <int trans_b>
 void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   wgmma_ss<trans_b>(d, desc_a, desc_b, accumulate);
 }

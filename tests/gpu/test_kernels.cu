@@ -5,6 +5,7 @@
 #include "gpu/gpu_test.h"
 #include "kernels/activations.cuh"
 #include "kernels/cross_entropy.cuh"
+#include "kernels/gemm_epilogue.cuh"
 #include "kernels/matmul.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
@@ -135,14 +136,15 @@ TEST_CASE("rmsnorm forward and backward (accumulating), rows of 768 and 128") {
   }
 }
 
-TEST_CASE("relu^2 forward and backward") {
+TEST_CASE("relu^2 forward and backward (relu(u) from u, and from a = relu(u)^2 in place)") {
   const size_t n = size_t(4096) * 3072;
   std::vector<double> u = rounded_to_bf16(random_normal(n, 20)), da = rounded_to_bf16(random_normal(n, 21));
-  DeviceBuffer<bf16> du_(to_bf16(u)), dda(to_bf16(da)), a(n), du(n);
+  DeviceBuffer<bf16> du_(to_bf16(u)), dda(to_bf16(da)), a(n), du(n), du_from_a(to_bf16(da));
   a.poison();
   du.poison();
   relu_squared_forward(du_.get(), a.get(), n, 0);
   relu_squared_backward(du_.get(), dda.get(), du.get(), n, 0);
+  relu_squared_backward_from_square(a.get(), du_from_a.get(), du_from_a.get(), n, 0);  // as --mlp-fc fused runs it
   std::vector<double> a_ref(n), du_ref(n);
   for (size_t i = 0; i < n; ++i) {
     a_ref[i] = u[i] > 0 ? u[i] * u[i] : 0.0;
@@ -151,6 +153,35 @@ TEST_CASE("relu^2 forward and backward") {
   std::vector<double> a_gpu = to_double(a.download()), du_gpu = to_double(du.download());
   CHECK_REL_ERROR(a_gpu, a_ref, kBf16Bound);
   CHECK_REL_ERROR(du_gpu, du_ref, kBf16Bound);
+  CHECK_REL_ERROR(to_double(du_from_a.download()), du_ref, kBf16Bound);
+}
+
+// Our GEMM (TMA, warp-specialised wgmma) plain and with the MLP's ReLU² epilogue against double
+// loops: 12 output tiles of 128 x 256 (more than the emulator's 8 SMs: CTAs walk several) and 5 k
+// blocks (more than the 4 stages: the ring wraps), outputs poisoned; shapes off the tiles refused.
+TEST_CASE("gemm with an epilogue: C = A B^T and relu(A B^T)^2 (12 tiles, 5 k blocks)") {
+  const int M = 512, N = 768, K = 320;
+  const std::vector<double> a = rounded_to_bf16(random_normal(size_t(M) * K, 30)),
+                            b = rounded_to_bf16(random_normal(size_t(N) * K, 31, 1.0 / std::sqrt(double(K))));
+  DeviceBuffer<bf16> a_dev(to_bf16(a)), b_dev(to_bf16(b)), c(size_t(M) * N), c_relu(size_t(M) * N);
+  c.poison();
+  c_relu.poison();
+  gemm_epilogue::gemm_tn<gemm_epilogue::Identity>(a_dev.get(), b_dev.get(), c.get(), M, N, K, 0);
+  matmul_relu_squared(a_dev.get(), b_dev.get(), c_relu.get(), M, N, K, 0);
+  std::vector<double> c_ref(size_t(M) * N), relu_ref(c_ref.size());
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      double sum = 0;
+      for (int k = 0; k < K; ++k) sum += a[size_t(i) * K + k] * b[size_t(j) * K + k];
+      c_ref[size_t(i) * N + j] = sum;
+      relu_ref[size_t(i) * N + j] = sum > 0 ? sum * sum : 0.0;
+    }
+  CHECK_REL_ERROR(to_double(c.download()), c_ref, kBf16Bound);
+  CHECK_REL_ERROR(to_double(c_relu.download()), relu_ref, kBf16Bound);
+  CHECK_THROWS_WITH(matmul_relu_squared(a_dev.get(), b_dev.get(), c_relu.get(), M, N, 96, 0),
+                    "gemm with epilogue: 512x768x96 (M x N x K) must be multiples of 128 x 256 x 64");
+  CHECK_THROWS_WITH(matmul_relu_squared(a_dev.get() + 1, b_dev.get(), c_relu.get(), M, N, K, 0),
+                    "gemm with epilogue: A and B must start 16-byte aligned");
 }
 
 TEST_CASE("softcapped cross-entropy: token losses and the in-place gradient, vocab 50304 and 96") {

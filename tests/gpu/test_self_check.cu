@@ -28,6 +28,14 @@ Hyperparameters with_reference_flag(Hyperparameters h, bool KernelPaths::*path) 
   if (path == &KernelPaths::fused_e5m2_gradient) h.fp8_gradient = "cast";
   if (path == &KernelPaths::batched_muon) h.muon = "per-matrix";
   if (path == &KernelPaths::fused_residual_add) h.residual_add = "separate";
+  if (path == &KernelPaths::fused_mlp_fc) h.mlp_fc = "cublaslt";
+  return h;
+}
+
+// The flags a run gives to take every fast path: the defaults, and the opt-in ones asked for.
+Hyperparameters with_every_fast_path() {
+  Hyperparameters h;
+  h.mlp_fc = "fused";
   return h;
 }
 
@@ -70,8 +78,9 @@ TEST_CASE("with no fault every fast path passes its self-check, and the run keep
 }
 
 TEST_CASE("a wrong fast path fails its own checks only; fallback takes its reference flag's path, strict stops") {
+  const Hyperparameters every = with_every_fast_path();
   for (const FastPath& path : fast_paths()) {
-    const SelfCheckOutcome outcome = self_check_with(Hyperparameters{}, path.fault);
+    const SelfCheckOutcome outcome = self_check_with(every, path.fault);
     int failed = 0, failed_elsewhere = 0;
     for (const std::string& line : outcome.lines) {
       const bool failed_line = line.size() > 6 && line.compare(line.size() - 6, 6, "FAILED") == 0;
@@ -82,11 +91,11 @@ TEST_CASE("a wrong fast path fails its own checks only; fallback takes its refer
                 outcome.failed_paths.c_str());
     CHECK(failed > 0 && failed_elsewhere == 0);
     CHECK(outcome.failed_paths == path.name);
-    CHECK(same_paths(outcome.paths, paths_of(with_reference_flag(Hyperparameters{}, path.member))));
+    CHECK(same_paths(outcome.paths, paths_of(with_reference_flag(every, path.member))));
     CHECK(outcome.lines.back() == std::string("self-check fallback: ") + path.name +
                                       " failed here; this run uses its reference (" + path.reference_flag +
                                       "): slower, and not a record run");
-    Hyperparameters strict;  // the same outcome under --self-check strict
+    Hyperparameters strict = every;  // the same outcome under --self-check strict
     strict.self_check = "strict";
     CHECK_THROWS_WITH(outcome.stop_if_strict(strict), "self-check failed: ", path.name);
   }
@@ -135,9 +144,10 @@ TEST_CASE("--self-check off runs nothing and keeps the flags' paths") {
 
 TEST_CASE("the model on the reference paths (the FP8 head kept) gives the fast paths' loss and gradients") {
   // The bf16 head is another mathematics, trained and checked apart (test_model, test_training).
-  KernelPaths references;
+  KernelPaths references, fast;
   for (const FastPath& p : fast_paths()) references.*p.member = p.member == &KernelPaths::fp8_head;
-  const auto [fast_loss, fast_grads] = gradients_on(KernelPaths{});
+  for (const FastPath& p : fast_paths()) fast.*p.member = true;  // the opt-in ones too
+  const auto [fast_loss, fast_grads] = gradients_on(fast);
   const auto [reference_loss, reference_grads] = gradients_on(references);
   std::printf("  summed loss: fast paths %.6f, references %.6f\n", fast_loss, reference_loss);
   CHECK(std::fabs(fast_loss - reference_loss) <= 5e-3 * std::fabs(fast_loss));

@@ -1,0 +1,85 @@
+// What the wgmma kernels (flash attention, the GEMM with epilogues) share: tiles in shared memory in
+// the 128-byte swizzle of wgmma's operands, their descriptors, the accumulator fragment layout, the
+// register fences around asynchronous products, and the mbarrier ring of the warp-specialised ones.
+#pragma once
+#include "kernels/device_utils.cuh"
+#include "kernels/ptx.cuh"
+
+#include <cstdint>
+
+namespace wgmma_tiles {
+
+constexpr uint32_t kSwizzleAtomBytes = 1024;  // 8 rows of 128 bytes
+
+template <int kRows = 128>
+__device__ inline int swizzled(int row, int col) {  // element (row, col) of a tile of kRows rows
+  return col / 64 * (kRows * 64) + row * 64 + ((((col % 64) >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// The descriptor of a matrix in shared memory laid out in 128-byte swizzle atoms (8 rows of 128
+// bytes, 16-byte chunk c of row r at c ^ (r % 8); atoms 1024-byte aligned). `leading` and `stride`
+// are PTX's leading- and stride-dimension byte offsets: for a K-major operand `stride` is the
+// distance between 8-row groups (leading unused); for an MN-major one `leading` separates groups of
+// 64 MN elements and `stride` groups of 8 k rows.
+__device__ inline uint64_t swizzled_128b_descriptor(const void* start, uint32_t leading, uint32_t stride) {
+  return uint64_t((ptx::shared_address(start) & 0x3FFFF) >> 4) | uint64_t(leading >> 4) << 16 |
+         uint64_t(stride >> 4) << 32 | uint64_t(1) << 62;
+}
+
+// wgmma's swizzle acts on shared-window address bits: tiles must start on an atom boundary, which
+// the dynamic shared memory itself need not (static shared variables come first).
+__device__ inline bf16* align_to_swizzle_atom(bf16* p) {
+  const uint32_t misalignment = ptx::shared_address(p) % kSwizzleAtomBytes;
+  return p + (misalignment ? (kSwizzleAtomBytes - misalignment) / sizeof(bf16) : 0);
+}
+
+__device__ inline uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Pins an accumulator's (or A fragment's) register accesses to their side of a wgmma fence or
+// wait: writes before the issue stay before it, reads after the wait stay after it.
+template <typename T, int N>
+__device__ inline void fence_registers(T (&r)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ptx::fence_operand(r[n][e]);
+}
+
+// Waits for all of the warpgroup's wgmma groups; the accumulators named may be read from here on,
+// and the tiles they read refilled (after a barrier).
+template <typename... Accumulators>
+__device__ inline void wgmma_wait_all(Accumulators&... acc) {
+  ptx::wgmma_wait<0>();
+  (fence_registers(acc), ...);
+}
+
+template <int N>
+__device__ inline void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+
+// The element of accumulator n-tile n, register e: its row and column inside the 16 x 8N tile.
+__device__ inline int fragment_row(int e) { return threadIdx.x % 32 / 4 + (e >= 2 ? 8 : 0); }
+__device__ inline int fragment_col(int n, int e) { return n * 8 + threadIdx.x % 4 * 2 + (e & 1); }
+
+// The u-th use of a ring of `stages` buffers (the u-th tile a CTA walks through it): its stage and
+// the parity of that stage's mbarrier phase.
+struct StageUse {
+  int stage;
+  uint32_t parity;
+};
+template <int stages>
+__device__ inline StageUse stage_use(uint32_t u) {
+  return {int(u % stages), u / stages % 2};
+}
+
+__device__ inline void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+  while (!ptx::mbarrier_try_wait(barrier, parity)) {
+  }
+}
+
+}  // namespace wgmma_tiles
