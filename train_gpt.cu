@@ -1155,6 +1155,11 @@ class GPT {
   // For y = x W^T: dx[T, k] = dy[T, n] W[n, k] and dW[n, k] += dy^T x (fp32)
   void linear_backward(const bf16* x, const bf16* w, const bf16* dy, bf16* dx, float* dw, int n, int k) {
     matmul_(dy, Transpose::N, w, Transpose::N, dx, T_, k, n, CUDA_R_16BF, stream_);
+    linear_weight_gradient(x, dy, dw, n, k);
+  }
+
+  // dw [n, k] += dy^T x
+  void linear_weight_gradient(const bf16* x, const bf16* dy, float* dw, int n, int k) {
     matmul_(dy, Transpose::T, x, Transpose::N, dw, n, k, T_, CUDA_R_32F, stream_, 1.0f, 1.0f);
   }
 
@@ -1278,11 +1283,14 @@ class GPT {
     LayerActivations& l = a.layers[i];
     const int d = c_.model_dim, F = c_.mlp_dim();
     // x_out = x_mid + a W_proj^T: dx passes through to x_mid
-    linear_backward(l.a, params.weight(ParamKind::mlp_proj, i), a.dx, a.du, params.grad(ParamKind::mlp_proj, i), d, F);
-    if (paths_.fused_mlp_fc)
-      relu_squared_backward_from_square(l.a, a.du, a.du, size_t(T_) * F, stream_);
-    else
+    const bf16* w_proj = params.weight(ParamKind::mlp_proj, i);
+    if (paths_.fused_mlp_fc) {  // du = (dx W_proj) 2 sqrt(a) in one pass: da is not written
+      matmul_relu_squared_backward(a.dx, w_proj, l.a, a.du, T_, F, d, stream_);
+      linear_weight_gradient(l.a, a.dx, params.grad(ParamKind::mlp_proj, i), d, F);
+    } else {
+      linear_backward(l.a, w_proj, a.dx, a.du, params.grad(ParamKind::mlp_proj, i), d, F);
       relu_squared_backward(l.u, a.du, a.du, size_t(T_) * F, stream_);
+    }
     linear_backward(l.h_mlp, params.weight(ParamKind::mlp_fc, i), a.du, a.dh, params.grad(ParamKind::mlp_fc, i), F, d);
     // without attention x_mid is x_mixed, whose norm's backward is mix_norm_backward's
     if (c_.has_attention[i]) rmsnorm_backward(l.x_mid, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);

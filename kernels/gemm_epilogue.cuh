@@ -1,9 +1,11 @@
 // Our own bf16 GEMM with an elementwise epilogue, for the products whose next pass cuBLASLt cannot
 // fuse (it has no square epilogue): the MLP's a = relu(h W_fc^T)^2 in one pass instead of the
-// product's write of u and ReLU²'s read of u and write of a (issue 29, item 4).
+// product's write of u and ReLU²'s read of u and write of a, and in the backward du = (dy W_proj)
+// 2 sqrt(a) in one pass instead of the product's write of da and ReLU²'s read of it (issue 29,
+// item 4).
 //
-// C [M, N] = epilogue(A [M, K] B [N, K]^T): A and B row-major (both K-major, "TN"), fp32
-// accumulation, C bf16. Warp-specialised on Hopper as the flash forward is: 384 threads, warpgroup 0
+// C [M, N] = epilogue(A [M, K] B): A row-major (K-major), B either [N, K] row-major (K-major: C = A
+// B^T, "TN") or [K, N] row-major (N-major: C = A B, "NN"), fp32 accumulation, C bf16. Warp-specialised on Hopper as the flash forward is: 384 threads, warpgroup 0
 // a producer (24 registers) whose first thread copies A's 128 x 64 and B's 256 x 64 tiles by TMA into a ring
 // of stages (mbarriers `full` and `empty` each), warpgroups 1 and 2 (240 registers) the two 64-row
 // halves of a 128 x 256 output tile (128 accumulators a thread), four m64n256k16 products a stage
@@ -32,23 +34,38 @@ constexpr int kThreads = 3 * 128, kConsumerWarps = 8;
 constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
 constexpr uint32_t kATileBytes = kTileRows * kBlockK * sizeof(bf16), kBTileBytes = kTileCols * kBlockK * sizeof(bf16);
 constexpr size_t kSharedBytes = kStages * size_t(kATileBytes + kBTileBytes) + kSwizzleAtomBytes;
+constexpr int kNGroup = 64;  // an N-major B tile's columns a box (a 128-byte swizzle span)
+constexpr uint32_t kNGroupBytes = kNGroup * kBlockK * sizeof(bf16);
 
+// How B is stored: [N, K] row-major (C = A B^T) or [K, N] row-major (C = A B).
+enum class BLayout { k_major, n_major };
+
+// Epilogues: the bf16 pair C[index], C[index + 1] from the accumulators x0, x1 of those elements.
 struct Identity {
-  __device__ float operator()(float x) const { return x; }
+  __device__ uint32_t operator()(float x0, float x1, size_t) const { return pack_bf16(x0, x1); }
 };
-struct ReluSquared {
-  __device__ float operator()(float x) const {
-    const float r = fmaxf(x, 0.0f);
-    return r * r;
+struct ReluSquared {  // a = relu(u)^2
+  __device__ uint32_t operator()(float x0, float x1, size_t) const {
+    const float r0 = fmaxf(x0, 0.0f), r1 = fmaxf(x1, 0.0f);
+    return pack_bf16(r0 * r0, r1 * r1);
+  }
+};
+struct ReluSquaredBackward {  // du = da 2 relu(u), relu(u) = sqrt(a) from the forward's a (as C, [M, N])
+  const bf16* a;
+  __device__ uint32_t operator()(float da0, float da1, size_t index) const {
+    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(a + index);
+    return pack_bf16(da0 * 2 * sqrtf(__low2float(pair)), da1 * 2 * sqrtf(__high2float(pair)));
   }
 };
 
-template <typename Epilogue>
+template <BLayout b_layout, typename Epilogue>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemm_tn_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, bf16* c,
-                   int M, int N, int K) {
+    gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                const Epilogue epilogue, bf16* c, int M, int N, int K) {
   extern __shared__ __align__(128) bf16 shared_tiles[];
-  bf16* tiles = align_to_swizzle_atom(shared_tiles);  // stage s: A tile, then B tile
+  // stage s: A tile [128 rows][64 k], then B tile: [256 rows][64 k] (K-major) or four [64 k][64 n]
+  // boxes (N-major), each in the 128-byte swizzle
+  bf16* tiles = align_to_swizzle_atom(shared_tiles);
   auto a_tile = [&](int stage) { return tiles + stage * (kTileRows + kTileCols) * kBlockK; };
   auto b_tile = [&](int stage) { return a_tile(stage) + kTileRows * kBlockK; };
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
@@ -72,7 +89,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbarrier_wait(empty + u.stage, u.parity ^ 1);
         ptx::mbarrier_arrive_expect_tx(full + u.stage, kATileBytes + kBTileBytes);
         ptx::tma_load_2d(a_tile(u.stage), &a_map, kb * kBlockK, tile / tiles_n * kTileRows, full + u.stage);
-        ptx::tma_load_2d(b_tile(u.stage), &b_map, kb * kBlockK, tile % tiles_n * kTileCols, full + u.stage);
+        if constexpr (b_layout == BLayout::k_major) {
+          ptx::tma_load_2d(b_tile(u.stage), &b_map, kb * kBlockK, tile % tiles_n * kTileCols, full + u.stage);
+        } else {
+          for (int group = 0; group < kTileCols / kNGroup; ++group)
+            ptx::tma_load_2d(b_tile(u.stage) + group * kNGroup * kBlockK, &b_map,
+                             tile % tiles_n * kTileCols + group * kNGroup, kb * kBlockK, full + u.stage);
+        }
       }
     return;
   }
@@ -83,7 +106,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(empty + stage);
   };
-  const Epilogue epilogue;
   uint32_t use = 0;
   for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
     float acc[kTileCols / 8][4];
@@ -96,8 +118,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         const uint64_t a_desc =
             swizzled_128b_descriptor(a_tile(u.stage) + swizzled(consumer * 64, kk * 16), 16, kSwizzleAtomBytes);
-        const uint64_t b_desc = swizzled_128b_descriptor(b_tile(u.stage) + swizzled(0, kk * 16), 16, kSwizzleAtomBytes);
-        ptx::wgmma_m64n256k16_ss</*trans_b=*/0>(acc, a_desc, b_desc, /*accumulate=*/kb > 0 || kk > 0);
+        if constexpr (b_layout == BLayout::k_major) {
+          const uint64_t b_desc =
+              swizzled_128b_descriptor(b_tile(u.stage) + swizzled(0, kk * 16), 16, kSwizzleAtomBytes);
+          ptx::wgmma_m64n256k16_ss</*trans_b=*/0>(acc, a_desc, b_desc, /*accumulate=*/kb > 0 || kk > 0);
+        } else {  // k rows kk * 16 on, 64-column groups kNGroupBytes apart
+          const uint64_t b_desc =
+              swizzled_128b_descriptor(b_tile(u.stage) + swizzled<kBlockK>(kk * 16, 0), kNGroupBytes, kSwizzleAtomBytes);
+          ptx::wgmma_m64n256k16_ss</*trans_b=*/1>(acc, a_desc, b_desc, /*accumulate=*/kb > 0 || kk > 0);
+        }
       }
       ptx::wgmma_commit();
       if (kb > 0) {
@@ -112,29 +141,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int n = 0; n < kTileCols / 8; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = row0 + fragment_row(2 * half), col = col0 + fragment_col(n, 0);
-        *reinterpret_cast<uint32_t*>(c + size_t(row) * N + col) =
-            pack_bf16(epilogue(acc[n][2 * half]), epilogue(acc[n][2 * half + 1]));
+        const size_t index = size_t(row0 + fragment_row(2 * half)) * N + col0 + fragment_col(n, 0);
+        *reinterpret_cast<uint32_t*>(c + index) = epilogue(acc[n][2 * half], acc[n][2 * half + 1], index);
       }
   }
 }
 
-// C [M, N] = epilogue(A [M, K] B [N, K]^T) on the stream; refuses, naming the operand, shapes off
-// the tiles and starts the copies or stores would fault on.
-template <typename Epilogue>
-void gemm_tn(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, cudaStream_t stream) {
+// C [M, N] = epilogue(A [M, K] B) on the stream, B as b_layout says; refuses, naming the operand,
+// shapes off the tiles and starts the copies or stores would fault on.
+template <BLayout b_layout, typename Epilogue>
+void gemm(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, Epilogue epilogue, cudaStream_t stream) {
   const std::string shape = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K);
   if (M <= 0 || N <= 0 || K <= 0 || M % kTileRows || N % kTileCols || K % kBlockK)
     throw std::invalid_argument("gemm with epilogue: " + shape + " (M x N x K) must be multiples of 128 x 256 x 64");
   if (reinterpret_cast<uintptr_t>(a) % 16 || reinterpret_cast<uintptr_t>(b) % 16 || reinterpret_cast<uintptr_t>(c) % 4)
     throw std::invalid_argument("gemm with epilogue: A and B must start 16-byte aligned, C 4-byte aligned");
   const CUtensorMap a_map = bf16_tile_map("the product's A", a, M, K, K, kTileRows, kBlockK),
-                    b_map = bf16_tile_map("the product's B", b, N, K, K, kTileCols, kBlockK);
-  CUDA_CHECK(cudaFuncSetAttribute(gemm_tn_kernel<Epilogue>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                    b_map = b_layout == BLayout::k_major ? bf16_tile_map("the product's B", b, N, K, K, kTileCols, kBlockK)
+                                                         : bf16_tile_map("the product's B", b, K, N, N, kBlockK, kNGroup);
+  CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<b_layout, Epilogue>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   int(kSharedBytes)));
   const int tile_count = M / kTileRows * (N / kTileCols);
-  gemm_tn_kernel<Epilogue><<<std::min(tile_count, multiprocessor_count()), kThreads, kSharedBytes, stream>>>(
-      a_map, b_map, c, M, N, K);
+  gemm_kernel<b_layout, Epilogue><<<std::min(tile_count, multiprocessor_count()), kThreads, kSharedBytes, stream>>>(
+      a_map, b_map, epilogue, c, M, N, K);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -142,5 +171,15 @@ void gemm_tn(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, cudaStr
 
 // a [M, N] = relu(h [M, K] w [N, K]^T)^2: the MLP's first product and its activation in one pass.
 inline void matmul_relu_squared(const bf16* h, const bf16* w, bf16* a, int M, int N, int K, cudaStream_t stream) {
-  gemm_epilogue::gemm_tn<gemm_epilogue::ReluSquared>(h, w, a, M, N, K, stream);
+  using namespace gemm_epilogue;
+  gemm<BLayout::k_major>(h, w, a, M, N, K, ReluSquared{}, stream);
+}
+
+// du [M, N] = (dy [M, K] w [K, N]) 2 sqrt(a [M, N]): the MLP's second product's input gradient and
+// ReLU²'s backward in one pass, from the forward's a = relu(u)^2 (each element of a is read by the
+// thread that writes that element of du: du may be a).
+inline void matmul_relu_squared_backward(const bf16* dy, const bf16* w, const bf16* a, bf16* du, int M, int N, int K,
+                                         cudaStream_t stream) {
+  using namespace gemm_epilogue;
+  gemm<BLayout::n_major>(dy, w, du, M, N, K, ReluSquaredBackward{a}, stream);
 }

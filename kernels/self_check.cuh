@@ -278,16 +278,24 @@ inline double residual_error(int rows, int n, int k, Matmul& matmul, cudaStream_
   return fast_path_error(outputs[0], outputs[1], Fault::wrong_fused_residual_add);
 }
 
-// The MLP's first product with ReLU² in our GEMM's epilogue against cuBLASLt's product and the
-// separate pass: rows x 4n from [rows, n] and [4n, n].
+// The MLP's products with ReLU² in our GEMM's epilogues against cuBLASLt's products and the
+// separate passes: forward a = relu(x W^T)^2 ([rows, n] and [4n, n]), backward du = (dy W') 2
+// sqrt(a) (W' [n, 4n]); the worse of the two.
 inline double mlp_fc_error(int rows, int n, Matmul& matmul, cudaStream_t stream) {
   const int F = 4 * n;
+  const size_t elements = size_t(rows) * F;
   DeviceBuffer<bf16> x(random_bf16(size_t(rows) * n, 1.0, 44)), w(random_bf16(size_t(F) * n, 0.03, 45)),
-      u(size_t(rows) * F), fused(size_t(rows) * F), separate(size_t(rows) * F);
+      dy(random_bf16(size_t(rows) * n, 1.0, 46)), w_proj(random_bf16(size_t(n) * F, 0.03, 47)), u(elements),
+      fused(elements), separate(elements), du_fused(elements), du_separate(elements);
   matmul_relu_squared(x.get(), w.get(), fused.get(), rows, F, n, stream);
   matmul(x.get(), Transpose::N, w.get(), Transpose::T, u.get(), rows, F, n, CUDA_R_16BF, stream);
-  relu_squared_forward(u.get(), separate.get(), size_t(rows) * F, stream);
-  return fast_path_error(to_double(fused.download()), to_double(separate.download()), Fault::wrong_fused_mlp_fc);
+  relu_squared_forward(u.get(), separate.get(), elements, stream);
+  matmul_relu_squared_backward(dy.get(), w_proj.get(), separate.get(), du_fused.get(), rows, F, n, stream);
+  matmul(dy.get(), Transpose::N, w_proj.get(), Transpose::N, du_separate.get(), rows, F, n, CUDA_R_16BF, stream);
+  relu_squared_backward_from_square(separate.get(), du_separate.get(), du_separate.get(), elements, stream);
+  return std::max(
+      fast_path_error(to_double(fused.download()), to_double(separate.download()), Fault::wrong_fused_mlp_fc),
+      fast_path_error(to_double(du_fused.download()), to_double(du_separate.download()), Fault::wrong_fused_mlp_fc));
 }
 
 // The results of checks that run together (one error each): an exception inside them (cuBLASLt

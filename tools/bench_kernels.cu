@@ -166,11 +166,25 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
         relu_squared_forward(u, a, size_t(T) * F, 0);
       }), 0, fc_flops, peaks);
   row("mlp fc: our gemm (TMA, wgmma), plain", median_ms([&] {
-        gemm_epilogue::gemm_tn<gemm_epilogue::Identity>(h, w_fc, u, T, F, D, 0);
+        using namespace gemm_epilogue;
+        gemm<BLayout::k_major>(h, w_fc, u, T, F, D, Identity{}, 0);
       }), 0, fc_flops, peaks);
   row("mlp fc + relu^2: our gemm, fused epilogue", median_ms([&] { matmul_relu_squared(h, w_fc, a, T, F, D, 0); }), 0,
       fc_flops, peaks);
-  for (void* p : {(void*)h, (void*)w_fc, (void*)u, (void*)a}) cudaFree(p);
+  // The backward's counterpart: the MLP proj's input gradient da = dy W_proj ([T, d] x [d, F]) and
+  // ReLU²'s backward, du = da 2 relu(u).
+  bf16 *dy = random_bf16(size_t(T) * D, 1.0f, 7), *w_proj = random_bf16(size_t(D) * F, 0.02f, 8);
+  row("mlp proj dx + relu^2 bwd: cuBLASLt, then the pass", median_ms([&] {
+        matmul(dy, Transpose::N, w_proj, Transpose::N, u, T, F, D, CUDA_R_16BF, 0);
+        relu_squared_backward_from_square(a, u, u, size_t(T) * F, 0);
+      }), 0, fc_flops, peaks);
+  row("mlp proj dx: our gemm (N-major B), plain", median_ms([&] {
+        using namespace gemm_epilogue;
+        gemm<BLayout::n_major>(dy, w_proj, u, T, F, D, Identity{}, 0);
+      }), 0, fc_flops, peaks);
+  row("mlp proj dx + relu^2 bwd: our gemm, fused epilogue",
+      median_ms([&] { matmul_relu_squared_backward(dy, w_proj, a, u, T, F, D, 0); }), 0, fc_flops, peaks);
+  for (void* p : {(void*)h, (void*)w_fc, (void*)u, (void*)a, (void*)dy, (void*)w_proj}) cudaFree(p);
 }
 
 // The FP8 head of SPEC 1.5 over one micro-sequence: the T rows in chunks of 8192, as the model runs

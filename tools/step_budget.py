@@ -98,8 +98,8 @@ def ops(pairs_per_micro, distinct_tokens, micro_batches):
          "copy"),
         ("a block's input backward: RMS norm, lambda mix, skip in one pass (12)", r"^mix_norm_backward_kernel$", 0,
          M * (SKIPS * 20 + (LAYERS - SKIPS) * 16) * td, "copy"),
-        ("MLP fc with ReLU² in our GEMM's epilogue (--mlp-fc fused; its FLOPs also in the matmuls' floor)",
-         r"^gemm_epilogue::gemm_tn_kernel$", M * LAYERS * 2 * T * D * F, 0, "bf16"),
+        ("MLP fc and proj dx with ReLU² in our GEMM's epilogues (--mlp-fc fused; their FLOPs also in the "
+         "matmuls' floor)", r"^gemm_epilogue::gemm_kernel$", M * LAYERS * 2 * 2 * T * D * F, 0, "bf16"),
         ("ReLU² forward", r"^relu_squared_forward_kernel$", 0, M * LAYERS * 4 * tf, "copy"),
         ("ReLU² backward", r"^relu_squared_backward_kernel$", 0, M * LAYERS * 6 * tf, "copy"),
         ("QK norm + RoPE forward", r"^qk_norm_rope_forward_kernel$", 0, M * len(ATTENTION_LAYERS) * 8 * td, "copy"),

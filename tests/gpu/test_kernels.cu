@@ -156,28 +156,43 @@ TEST_CASE("relu^2 forward and backward (relu(u) from u, and from a = relu(u)^2 i
   CHECK_REL_ERROR(to_double(du_from_a.download()), du_ref, kBf16Bound);
 }
 
-// Our GEMM (TMA, warp-specialised wgmma) plain and with the MLP's ReLU² epilogue against double
-// loops: 12 output tiles of 128 x 256 (more than the emulator's 8 SMs: CTAs walk several) and 5 k
-// blocks (more than the 4 stages: the ring wraps), outputs poisoned; shapes off the tiles refused.
-TEST_CASE("gemm with an epilogue: C = A B^T and relu(A B^T)^2 (12 tiles, 5 k blocks)") {
+// Our GEMM (TMA, warp-specialised wgmma) against double loops, B K-major (C = A B^T) and N-major
+// (C = A B), plain and with the MLP's ReLU² epilogues (forward: relu(A B^T)^2; backward: (A B) 2
+// sqrt(a), in place over a as it may run): 12 output tiles of 128 x 256 (more than the emulator's 8
+// SMs: CTAs walk several) and 5 k blocks (more than the 4 stages: the ring wraps), outputs
+// poisoned; shapes off the tiles refused.
+TEST_CASE("gemm with an epilogue: A B^T, relu(A B^T)^2, A B, (A B) 2 sqrt(a) (12 tiles, 5 k blocks)") {
+  using namespace gemm_epilogue;
   const int M = 512, N = 768, K = 320;
   const std::vector<double> a = rounded_to_bf16(random_normal(size_t(M) * K, 30)),
                             b = rounded_to_bf16(random_normal(size_t(N) * K, 31, 1.0 / std::sqrt(double(K))));
-  DeviceBuffer<bf16> a_dev(to_bf16(a)), b_dev(to_bf16(b)), c(size_t(M) * N), c_relu(size_t(M) * N);
-  c.poison();
-  c_relu.poison();
-  gemm_epilogue::gemm_tn<gemm_epilogue::Identity>(a_dev.get(), b_dev.get(), c.get(), M, N, K, 0);
+  std::vector<double> b_t(b.size()), square(size_t(M) * N);  // B as [K, N]; a ReLU² output
+  for (int j = 0; j < N; ++j)
+    for (int k = 0; k < K; ++k) b_t[size_t(k) * N + j] = b[size_t(j) * K + k];
+  const std::vector<double> r = random_normal(square.size(), 32);
+  for (size_t i = 0; i < square.size(); ++i) square[i] = r[i] > 0 ? r[i] * r[i] : 0.0;
+  square = rounded_to_bf16(square);
+  DeviceBuffer<bf16> a_dev(to_bf16(a)), b_dev(to_bf16(b)), b_t_dev(to_bf16(b_t)), c(square.size()),
+      c_relu(square.size()), c_nn(square.size()), du(to_bf16(square));
+  for (auto* out : {&c, &c_relu, &c_nn}) out->poison();
+  gemm<BLayout::k_major>(a_dev.get(), b_dev.get(), c.get(), M, N, K, Identity{}, 0);
   matmul_relu_squared(a_dev.get(), b_dev.get(), c_relu.get(), M, N, K, 0);
-  std::vector<double> c_ref(size_t(M) * N), relu_ref(c_ref.size());
+  gemm<BLayout::n_major>(a_dev.get(), b_t_dev.get(), c_nn.get(), M, N, K, Identity{}, 0);
+  matmul_relu_squared_backward(a_dev.get(), b_t_dev.get(), du.get(), du.get(), M, N, K, 0);
+  std::vector<double> c_ref(square.size()), relu_ref(square.size()), du_ref(square.size());
   for (int i = 0; i < M; ++i)
     for (int j = 0; j < N; ++j) {
       double sum = 0;
       for (int k = 0; k < K; ++k) sum += a[size_t(i) * K + k] * b[size_t(j) * K + k];
-      c_ref[size_t(i) * N + j] = sum;
-      relu_ref[size_t(i) * N + j] = sum > 0 ? sum * sum : 0.0;
+      const size_t at = size_t(i) * N + j;
+      c_ref[at] = sum;
+      relu_ref[at] = sum > 0 ? sum * sum : 0.0;
+      du_ref[at] = sum * 2 * std::sqrt(square[at]);
     }
   CHECK_REL_ERROR(to_double(c.download()), c_ref, kBf16Bound);
   CHECK_REL_ERROR(to_double(c_relu.download()), relu_ref, kBf16Bound);
+  CHECK_REL_ERROR(to_double(c_nn.download()), c_ref, kBf16Bound);
+  CHECK_REL_ERROR(to_double(du.download()), du_ref, kBf16Bound);
   CHECK_THROWS_WITH(matmul_relu_squared(a_dev.get(), b_dev.get(), c_relu.get(), M, N, 96, 0),
                     "gemm with epilogue: 512x768x96 (M x N x K) must be multiples of 128 x 256 x 64");
   CHECK_THROWS_WITH(matmul_relu_squared(a_dev.get() + 1, b_dev.get(), c_relu.get(), M, N, K, 0),
