@@ -1,7 +1,7 @@
 // ReLU^2 of the MLP (SPEC 1.2.6): a = relu(u)^2 and du = da * 2 relu(u), bf16, 16-byte vectors. The
 // backward takes relu(u) from u, or, where the forward kept only a (the fc product with ReLU² in
-// its epilogue: kernels/gemm_epilogue.cuh), as sqrt(a): a = bf16(relu(u)^2) is within 2^-9 of
-// relu(u)^2, so sqrt(a) within 2^-10 of relu(u), closer than bf16(u) itself.
+// its epilogue: kernels/gemm_epilogue.cuh), as sqrt(a): a = bf16(relu(u)^2) is within 2^-8 of
+// relu(u)^2 (relative), so sqrt(a) within about 2^-9 of relu(u), closer than bf16(u) itself.
 #pragma once
 #include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"

@@ -16,8 +16,8 @@
 // Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
 // [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7), atoms of 8 rows
 // 1024-byte aligned. The tiles a CTA walks through are double-buffered: the next block's copies
-// (cp.async) fly while the current block is computed, since the 188-250 registers per thread leave
-// room for one CTA per SM and no other CTA would hide the loads. The forward also overlaps each
+// (cp.async) fly while the current block is computed, since the 174-254 registers per thread (ptxas,
+// nvcc 13.0) leave room for one CTA per SM and no other CTA would hide the loads. The forward also overlaps each
 // block's softmax with the previous block's P V product (FlashAttention-3's intra-warpgroup
 // pipelining).
 #pragma once
@@ -373,9 +373,6 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
 // each overlaps its softmax with its own previous block's P V as forward_kernel does. After the
 // start no barrier spans the block: a consumer waits only for the tiles it reads, the producer
 // only for stages to come free.
-constexpr int kWsThreads = 3 * 128, kWsConsumerWarps = 8;
-constexpr int kWsProducerRegisters = 24, kWsConsumerRegisters = 240;
-static_assert(kWsProducerRegisters * 128 + 2 * kWsConsumerRegisters * 128 <= 64 * 1024, "the register file");
 constexpr uint32_t kTileBytes = kTileElements * sizeof(bf16);
 constexpr int kTmaBoxColumns = 64;  // a box row is one 128-byte swizzle span: a tile is two boxes
 
@@ -439,10 +436,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   ptx::setmaxnreg_inc<kWsConsumerRegisters>();
   const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 - 4;  // warp: 16 rows of the tile
   const int row0 = warp * 16 + fragment_row(0);
-  auto release = [&](uint64_t* barrier) {  // one arrival a warp, once all of its lanes are done reading
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(barrier);
-  };
   auto my_turn = [&] { ptx::named_barrier_sync(1 + consumer, 256); };
   auto other_turn = [&] { ptx::named_barrier_arrive(2 - consumer, 256); };
   if (consumer == 1) other_turn();  // consumer 0 issues first
@@ -467,8 +460,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       wgmma_a_bt<kTile>(s, q_tile, consumer * 64, k_tile(first.stage), 0);
       other_turn();
       wgmma_wait_all(s);
-      release(k_empty + first.stage);
-      if (count == 1) release(q_empty);
+      release_stage(k_empty + first.stage);
+      if (count == 1) release_stage(q_empty);
       softmax_of_block(s, 0);
       for (int j = 0; j + 1 < count; ++j) {  // the last block peeled, as in forward_kernel
         const StageUse now = stage_use<kStages>(use + j), next = stage_use<kStages>(use + j + 1);
@@ -482,11 +475,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         other_turn();
         ptx::wgmma_wait<1>();  // the scores; P(j) V(j) runs on beside the softmax
         fence_registers(s);
-        release(k_empty + next.stage);
-        if (j + 2 == count) release(q_empty);  // that was the item's last Q K^T
+        release_stage(k_empty + next.stage);
+        if (j + 2 == count) release_stage(q_empty);  // that was the item's last Q K^T
         softmax_of_block(s, j + 1);
         wgmma_wait_all(o, p);
-        release(v_empty + now.stage);
+        release_stage(v_empty + now.stage);
         rescale(o, correction);
       }
       const StageUse last = stage_use<kStages>(use + count - 1);
@@ -495,13 +488,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       wgmma_p_b<kTile / 16>(o, s, v_tile(last.stage), 0);
       other_turn();
       wgmma_wait_all(o);
-      release(v_empty + last.stage);
+      release_stage(v_empty + last.stage);
       use += count;
     } else {
-      release(q_empty);
+      release_stage(q_empty);
     }
     store_forward_rows(y, lse, o, row_max, row_sum, q0 + warp * 16, h, a);
   }
+  if (consumer == 0) my_turn();  // takes consumer 1's last hand-over: no arrival left at the exit
 }
 
 // P and dS of a 16 x 8N score tile: p = exp(scores - lse) where allowed (0 elsewhere),

@@ -30,8 +30,6 @@ using namespace wgmma_tiles;
 
 constexpr int kTileRows = 128, kTileCols = 256, kBlockK = 64;  // kBlockK: one 128-byte swizzle span
 constexpr int kStages = 4;
-constexpr int kThreads = 3 * 128, kConsumerWarps = 8;
-constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
 constexpr uint32_t kATileBytes = kTileRows * kBlockK * sizeof(bf16), kBTileBytes = kTileCols * kBlockK * sizeof(bf16);
 constexpr size_t kSharedBytes = kStages * size_t(kATileBytes + kBTileBytes) + kSwizzleAtomBytes;
 constexpr int kNGroup = 64;  // an N-major B tile's columns a box (a 128-byte swizzle span)
@@ -59,7 +57,7 @@ struct ReluSquaredBackward {  // du = da 2 relu(u), relu(u) = sqrt(a) from the f
 };
 
 template <BLayout b_layout, typename Epilogue>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kWsThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                 const Epilogue epilogue, bf16* c, int M, int N, int K) {
   extern __shared__ __align__(128) bf16 shared_tiles[];
@@ -72,7 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
       ptx::mbarrier_init(full + stage, 1);
-      ptx::mbarrier_init(empty + stage, kConsumerWarps);
+      ptx::mbarrier_init(empty + stage, kWsConsumerWarps);
     }
     ptx::fence_mbarrier_init();
   }
@@ -80,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles_n = N / kTileCols, tile_count = M / kTileRows * tiles_n, k_blocks = K / kBlockK;
 
   if (threadIdx.x < 128) {  // the producer
-    ptx::setmaxnreg_dec<kProducerRegisters>();
+    ptx::setmaxnreg_dec<kWsProducerRegisters>();
     if (threadIdx.x != 0) return;
     uint32_t use = 0;
     for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x)
@@ -100,12 +98,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  ptx::setmaxnreg_inc<kConsumerRegisters>();
+  ptx::setmaxnreg_inc<kWsConsumerRegisters>();
   const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 - 4;  // warp: 16 rows of the tile
-  auto release = [&](int stage) {  // one arrival a warp, once all of its lanes' products are done
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(empty + stage);
-  };
   uint32_t use = 0;
   for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
     float acc[kTileCols / 8][4];
@@ -131,11 +125,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::wgmma_commit();
       if (kb > 0) {
         ptx::wgmma_wait<1>();  // the previous stage's products are done: it may be refilled
-        release(stage_use<kStages>(use - 1).stage);
+        release_stage(empty + stage_use<kStages>(use - 1).stage);
       }
     }
     wgmma_wait_all(acc);
-    release(stage_use<kStages>(use - 1).stage);
+    release_stage(empty + stage_use<kStages>(use - 1).stage);
     const int row0 = tile / tiles_n * kTileRows + warp * 16, col0 = tile % tiles_n * kTileCols;
 #pragma unroll
     for (int n = 0; n < kTileCols / 8; ++n)
@@ -162,7 +156,7 @@ void gemm(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, Epilogue e
   CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<b_layout, Epilogue>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   int(kSharedBytes)));
   const int tile_count = M / kTileRows * (N / kTileCols);
-  gemm_kernel<b_layout, Epilogue><<<std::min(tile_count, multiprocessor_count()), kThreads, kSharedBytes, stream>>>(
+  gemm_kernel<b_layout, Epilogue><<<std::min(tile_count, multiprocessor_count()), kWsThreads, kSharedBytes, stream>>>(
       a_map, b_map, epilogue, c, M, N, K);
   CUDA_CHECK_LAUNCH();
 }

@@ -56,8 +56,8 @@ __device__ inline void wgmma_wait() {
 __device__ inline void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ inline void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-// The fp32 accumulator registers of an m64n64 and an m64n128 product: the operand lists and the
-// asm text naming them as %0, %1, ... (the m64n128 list is the m64n64 one and eight tiles more).
+// The fp32 accumulator registers of the m64n64, m64n128 and m64n256 products: the operand lists and
+// the asm text naming them as %0, %1, ... (each list is the previous one and as many tiles more).
 #define PTX_ACCUMULATOR_TILE(d, n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
 #define PTX_M64N64_ACCUMULATOR(d)                                                                          \
   PTX_ACCUMULATOR_TILE(d, 0), PTX_ACCUMULATOR_TILE(d, 1), PTX_ACCUMULATOR_TILE(d, 2), PTX_ACCUMULATOR_TILE(d, 3), \

@@ -28,8 +28,8 @@ inline CUtensorMap bf16_tile_map(const char* name, const __nv_bfloat16* base, ui
       throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver 12.0 or newer)");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry);
   }();
-  // Encoded into a local, not the returned object: the driver wants 64-byte alignment, which a
-  // caller's temporary (where the return value may be built) need not have.
+  // Encoded into a local, not the returned object: the driver wants 64-byte alignment, and g++
+  // built the return value 32 bytes off it (the emulator's build, CUtensorMap's alignas(128) notwithstanding).
   alignas(128) CUtensorMap encoded;
   const cuuint64_t dims[2] = {cols, rows}, strides[1] = {row_stride * sizeof(__nv_bfloat16)};
   const cuuint32_t box[2] = {box_cols, box_rows}, element_strides[2] = {1, 1};

@@ -82,4 +82,22 @@ __device__ inline void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
   }
 }
 
+// The warp-specialised kernels' roles: 384 threads, warpgroup 0 the producer (its first thread
+// issues the TMA copies), warpgroups 1 and 2 the consumers. The block holds the registers
+// __launch_bounds__(384, 1) compiles it with (65536 / 384 rounded down to 8: 168 a thread) and no
+// more; setmaxnreg moves them between warpgroups, and an increase that no decrease paid for waits
+// for ever.
+constexpr int kWsThreads = 3 * 128, kWsConsumerWarps = 8;
+constexpr int kWsProducerRegisters = 24, kWsConsumerRegisters = 240;
+constexpr int launch_registers(int threads) { return 64 * 1024 / threads / 8 * 8 < 255 ? 64 * 1024 / threads / 8 * 8 : 255; }
+static_assert(128 * kWsProducerRegisters + 2 * 128 * kWsConsumerRegisters <= kWsThreads * launch_registers(kWsThreads),
+              "the consumers' registers are the block's, less the producer's");
+
+// A consumer warp's arrival on a stage's `empty` barrier (kWsConsumerWarps arrivals a phase), once
+// all of its lanes are done reading the stage.
+__device__ inline void release_stage(uint64_t* empty) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(empty);
+}
+
 }  // namespace wgmma_tiles

@@ -111,11 +111,17 @@ bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity);
 // The box at `coordinates` of an emulated tensor map (cuTensorMapEncodeTiled, cuda_runtime.cpp).
 void tma_load(void* shared, const void* map, const int* coordinates, int rank, uint64_t* barrier);
 // Named barriers 1-15 as bar.sync / bar.arrive count them (by thread here; the kernels call them by
-// whole warps, as the GPU counts).
+// whole warps, as the GPU counts). Arrivals left at a block's exit are fatal: PTX does not say what
+// becomes of them, and the kernels take every hand-over they give.
 void named_barrier(int id, int threads, bool wait);
 // setmaxnreg: the calling warp's registers per thread go to `registers`; an increase waits for
-// registers that another warp's decrease freed (the block starts with 64 K registers shared
-// evenly, as __launch_bounds__(threads, 1) compiles it, rounded down to a multiple of 8, at most 255).
+// registers that another warp's decrease freed (the block holds 64 K / threads a thread, rounded
+// down to a multiple of 8, at most 255, as __launch_bounds__(threads, 1) compiles it, and nothing
+// more). A warpgroup's four warps must end with the same count. What this cannot see: whether
+// ptxas compiled the kernel with that count (its -v output says), and a copy's visibility per
+// thread (the first thread to see a phase complete lands its copies for all).
+// The tensor maps' address space is not checked either (a map copied to the stack passes here and
+// faults on the GPU): the kernels use their __grid_constant__ parameters only.
 void set_max_registers(int registers, bool increase);
 
 // The shared-window address of a byte of dynamic shared memory, as __cvta_generic_to_shared gives

@@ -10,8 +10,9 @@
 // - the warp-specialised kernels' mbarriers, TMA copies, named barriers and setmaxnreg: a ring of
 //   TMA-fed stages shared by a producer and two consumer warpgroups in turns copies exactly and
 //   alternates; a missed release, a wait on the wrong phase parity, a consumer that never waits, a
-//   producer that keeps its registers, fewer bytes announced than copied, an unpublished init and
-//   bytes that are no tensor map each stop the program (a deadlock where the GPU would hang), and
+//   producer that keeps its registers (or frees too few), fewer bytes announced than copied, an unpublished init,
+//   bytes that are no tensor map and a hand-over never taken (arrivals left on a named barrier at
+//   the exit) each stop the program (a deadlock where the GPU would hang), and
 //   the host refuses a map the driver refuses, naming the tensor;
 // - cuSOLVER's syevd reports a factor it cannot decompose by a positive info (LAPACK's convention;
 //   what the library answers for a NaN factor is unverified), and REKLS then stops naming the
@@ -21,10 +22,10 @@
 #include "kernels/check_arrays.cuh"
 #include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
-#include "kernels/flash_attention.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/rekls.cuh"
 #include "kernels/tensor_map.cuh"
+#include "kernels/wgmma_tiles.cuh"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -95,15 +96,25 @@ __global__ void static_and_dynamic_kernel(float* out) {
 // and 2, taking turns through two named barriers, each write their 32 rows of it unswizzled to
 // `out` ([tiles x 64, 64]), log their turn, and release the stage (one arrival a warp). `mistake`
 // injects one bug of the kind the pattern invites.
-enum class RingMistake { none, missed_release, wrong_parity, no_wait, no_decrease, short_announce, unpublished_init };
+enum class RingMistake {
+  none,
+  missed_release,
+  wrong_parity,
+  no_wait,
+  no_decrease,
+  short_announce,
+  unpublished_init,
+  turn_left,
+  small_decrease
+};
 constexpr int kRingStages = 2, kRingTiles = 6, kRingRows = 64, kRingCols = 64;
 constexpr uint32_t kRingBoxBytes = kRingRows * kRingCols * sizeof(bf16);
-constexpr size_t kRingSharedBytes = kRingStages * kRingBoxBytes + flash::kSwizzleAtomBytes;
+constexpr size_t kRingSharedBytes = kRingStages * kRingBoxBytes + wgmma_tiles::kSwizzleAtomBytes;
 
 __global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CUtensorMap map, bf16* out, int* turns,
                                                       RingMistake mistake) {
   extern __shared__ __align__(128) bf16 shared_tiles[];
-  bf16* stages = flash::align_to_swizzle_atom(shared_tiles);
+  bf16* stages = wgmma_tiles::align_to_swizzle_atom(shared_tiles);
   __shared__ __align__(8) uint64_t full[kRingStages], empty[kRingStages];
   __shared__ int turn;
   const int warpgroup = threadIdx.x / 128;
@@ -117,7 +128,10 @@ __global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CU
   }
   __syncthreads();
   if (warpgroup == 0) {
-    if (mistake != RingMistake::no_decrease) ptx::setmaxnreg_dec<24>();
+    if (mistake == RingMistake::small_decrease)
+      ptx::setmaxnreg_dec<32>();  // 1 K registers short of the consumers' 240
+    else if (mistake != RingMistake::no_decrease)
+      ptx::setmaxnreg_dec<24>();
     if (threadIdx.x == 0)
       for (int t = 0; t < kRingTiles; ++t) {
         const int s = t % kRingStages;
@@ -142,7 +156,7 @@ __global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CU
     for (int i = thread; i < 32 * kRingCols; i += 128) {
       const int row = consumer * 32 + i / kRingCols, col = i % kRingCols;
       out[(t * kRingRows + row) * kRingCols + col] =
-          stages[s * kRingRows * kRingCols + flash::swizzled<kRingRows>(row, col)];
+          stages[s * kRingRows * kRingCols + wgmma_tiles::swizzled<kRingRows>(row, col)];
     }
     if (thread == 0) turns[turn++] = consumer;
     ptx::named_barrier_arrive(2 - consumer, 256);  // the other's turn
@@ -150,6 +164,7 @@ __global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CU
     if (threadIdx.x % 32 == 0 && !(mistake == RingMistake::missed_release && consumer == 1))
       ptx::mbarrier_arrive(&empty[s]);
   }
+  if (consumer == 0 && mistake != RingMistake::turn_left) ptx::named_barrier_sync(1, 256);  // the last hand-over
 }
 
 struct Outcome {
@@ -305,6 +320,8 @@ TEST_CASE("TMA ring: each injected bug stops the program, naming what went wrong
       {RingMistake::no_decrease, "the producer keeps its registers", "registers (setmaxnreg.inc) that no warp frees"},
       {RingMistake::short_announce, "half the bytes announced", "TMA copies of 8192 bytes on a phase"},
       {RingMistake::unpublished_init, "no fence.mbarrier_init", "no fence.mbarrier_init made visible"},
+      {RingMistake::turn_left, "the last hand-over never taken", "named barrier 1 has 128 arrivals left"},
+      {RingMistake::small_decrease, "the producer keeps 32 registers", "registers (setmaxnreg.inc) that no warp frees"},
   };
   for (const Case& c : cases) {
     const Outcome o = in_child([&] {

@@ -295,9 +295,10 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   b.unfenced_threads = 0;
   b.mbarriers.clear();
   for (NamedBarrier& n : b.named) n = NamedBarrier{};
-  const int launch_registers = std::min(255, kRegisterFile / threads / 8 * 8);  // __launch_bounds__(threads, 1)
-  b.warp_registers.assign(warps, launch_registers);
-  b.free_registers = kRegisterFile - warps * 32 * launch_registers;
+  // What __launch_bounds__(threads, 1) compiles the kernel with, the block's registers: only what
+  // a warp's decrease frees is there for another's increase.
+  b.warp_registers.assign(warps, std::min(255, kRegisterFile / threads / 8 * 8));
+  b.free_registers = 0;
   // Shared memory starts as garbage on the GPU: poisoned here, so a read before a write shows.
   std::memset(b.shared.data(), 0xFF, b.shared.size());
   std::memset(b.static_shared->bytes, 0xFF, b.static_bytes);
@@ -308,6 +309,18 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
       fatal("deadlock in block (" + std::to_string(block_index.x) + ", " + std::to_string(block_index.y) + ", " +
             std::to_string(block_index.z) + "): " + waits_of(b));
   }
+  // setmaxnreg is a warpgroup's: all four of its warps, the same count.
+  for (size_t w = 0; w + 4 <= b.warp_registers.size(); w += 4)
+    for (size_t other = w + 1; other < w + 4; ++other)
+      if (b.warp_registers[other] != b.warp_registers[w])
+        fatal("setmaxnreg by some warps of warpgroup " + std::to_string(w / 4) + " only (warps " + std::to_string(w) +
+              " and " + std::to_string(other) + " hold " + std::to_string(b.warp_registers[w]) + " and " +
+              std::to_string(b.warp_registers[other]) + " registers a thread)");
+  // PTX leaves a named barrier's state at the exit unsaid: the kernels leave none behind.
+  for (int id = 1; id < kNamedBarriers; ++id)
+    if (b.named[id].arrived)
+      fatal("named barrier " + std::to_string(id) + " has " + std::to_string(b.named[id].arrived) +
+            " arrivals left at the block's exit (a hand-over nobody took)");
 }
 
 }  // namespace

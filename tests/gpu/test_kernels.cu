@@ -144,7 +144,7 @@ TEST_CASE("relu^2 forward and backward (relu(u) from u, and from a = relu(u)^2 i
   du.poison();
   relu_squared_forward(du_.get(), a.get(), n, 0);
   relu_squared_backward(du_.get(), dda.get(), du.get(), n, 0);
-  relu_squared_backward_from_square(a.get(), du_from_a.get(), du_from_a.get(), n, 0);  // as --mlp-fc fused runs it
+  relu_squared_backward_from_square(a.get(), du_from_a.get(), du_from_a.get(), n, 0);  // the fused epilogue's reference
   std::vector<double> a_ref(n), du_ref(n);
   for (size_t i = 0; i < n; ++i) {
     a_ref[i] = u[i] > 0 ? u[i] * u[i] : 0.0;
