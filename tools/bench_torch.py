@@ -9,7 +9,8 @@ GPU, beside our kernels' times (the table `build/bench_kernels` prints, passed w
 - the FP8 head of SPEC 1.5 through torch._scaled_mm (forward with fast accumulation, both
   backward products without) over T rows in chunks of 8192, and the bf16 matmuls of every
   linear layer;
-- rms_norm and the softcapped cross-entropy under torch.compile (what the reference runs).
+- rms_norm, the softcapped cross-entropy and the MLP's fc with ReLU² (forward, and the proj's dx
+  with ReLU²'s backward) under torch.compile (what the reference runs).
 
 Usage (on the GPU machine, from the repository root):
     build/bench_kernels 20 > bench_kernels.txt
@@ -206,6 +207,18 @@ def bench_muon(rows, repeats):
 
 
 def bench_compiled_pointwise(rows, repeats):
+    # The MLP's fc with ReLU² as the record compiles it (Inductor: cuBLAS, then a fused pointwise
+    # kernel), beside ours fused into the product's epilogue (--mlp-fc fused), and the backward's
+    # counterpart: the proj's dx product with ReLU²'s backward from the forward's a.
+    h = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    w_fc = torch.randn(FF, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    fc = torch.compile(lambda t: F.relu(t @ w_fc.T).square())
+    rows.append(("mlp fc + relu^2: our gemm, fused epilogue", "compiled relu(h @ w_fc.T).square()",
+                 median_ms(lambda: fc(h), repeats)))
+    dy, w_proj, a = torch.randn(T, D, device="cuda", dtype=torch.bfloat16), w_fc.T.contiguous(), fc(h)
+    proj_dx = torch.compile(lambda g: (g @ w_proj) * 2 * a.sqrt())
+    rows.append(("mlp proj dx + relu^2 bwd: our gemm, fused epilogue", "compiled (dy @ w_proj) * 2 sqrt(a)",
+                 median_ms(lambda: proj_dx(dy), repeats)))
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16) * 2
     norm = torch.compile(lambda t: F.rms_norm(t, (D,)))
     rows.append(("rmsnorm fwd [49152, 768]", "compiled F.rms_norm fwd", median_ms(lambda: norm(x), repeats)))
