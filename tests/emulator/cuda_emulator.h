@@ -110,6 +110,10 @@ void mbarrier_arrive(uint64_t* barrier, uint32_t expect_tx_bytes);
 bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity);
 // The box at `coordinates` of an emulated tensor map (cuTensorMapEncodeTiled, cuda_runtime.cpp).
 void tma_load(void* shared, const void* map, const int* coordinates, int rank, uint64_t* barrier);
+// Fatal unless the running thread has seen complete the phase of the TMA copy (if any) that filled
+// the byte at this shared-window address: a wgmma issued by a thread that skipped its wait may read
+// the tile before it lands on the GPU, even where another thread's wait landed it here.
+void check_tma_visible(uint32_t window_address, const char* reader);
 // Named barriers 1-15 as bar.sync / bar.arrive count them (by thread here; the kernels call them by
 // whole warps, as the GPU counts). Arrivals left at a block's exit are fatal: PTX does not say what
 // becomes of them, and the kernels take every hand-over they give.
@@ -119,7 +123,8 @@ void named_barrier(int id, int threads, bool wait);
 // down to a multiple of 8, at most 255, as __launch_bounds__(threads, 1) compiles it, and nothing
 // more). A warpgroup's four warps must end with the same count. What this cannot see: whether
 // ptxas compiled the kernel with that count (its -v output says), and a copy's visibility per
-// thread (the first thread to see a phase complete lands its copies for all).
+// thread for plain loads (the first thread to see a phase complete lands its copies for all; a
+// wgmma's operands are checked per thread: check_tma_visible).
 // The tensor maps' address space is not checked either (a map copied to the stack passes here and
 // faults on the GPU): the kernels use their __grid_constant__ parameters only.
 void set_max_registers(int registers, bool increase);

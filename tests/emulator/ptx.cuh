@@ -128,6 +128,8 @@ void wgmma_product_into(float (&d)[tiles][4], const float (&a)[2][16], uint64_t 
 // wgmma.mma_async.m64nNk16.f32.bf16.bf16 with A from shared memory (K-major).
 template <int trans_b, int tiles>
 void wgmma_ss(float (&d)[tiles][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  ::emu::check_tma_visible(SharedMatrix(desc_a).start, "wgmma's A");
+  ::emu::check_tma_visible(SharedMatrix(desc_b).start, "wgmma's B");
   const int row = wgmma_first_row();
   ::emu::wgmma_issue([&d, desc_a, desc_b, accumulate, row] {
     const SharedMatrix a(desc_a);
@@ -169,6 +171,7 @@ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t des
       rows[0][2 * t + 8 + half] = bf16_bits_to_float(uint16_t(f[2] >> (16 * half)));
       rows[1][2 * t + 8 + half] = bf16_bits_to_float(uint16_t(f[3] >> (16 * half)));
     }
+  ::emu::check_tma_visible(SharedMatrix(desc_b).start, "wgmma's B");
   ::emu::wgmma_issue([&d, rows, desc_b, accumulate] { wgmma_product_into<trans_b>(d, rows, desc_b, accumulate); });
 }
 

@@ -12,7 +12,8 @@
 //   alternates; a missed release, a wait on the wrong phase parity, a consumer that never waits, a
 //   producer that keeps its registers (or frees too few), fewer bytes announced than copied, an unpublished init,
 //   bytes that are no tensor map and a hand-over never taken (arrivals left on a named barrier at
-//   the exit) each stop the program (a deadlock where the GPU would hang), and
+//   the exit) each stop the program (a deadlock where the GPU would hang), as does a wgmma that
+//   reads a TMA copy its thread never waited for, and
 //   the host refuses a map the driver refuses, naming the tensor;
 // - cuSOLVER's syevd reports a factor it cannot decompose by a positive info (LAPACK's convention;
 //   what the library answers for a NaN factor is unverified), and REKLS then stops naming the
@@ -165,6 +166,36 @@ __global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CU
       ptx::mbarrier_arrive(&empty[s]);
   }
   if (consumer == 0 && mistake != RingMistake::turn_left) ptx::named_barrier_sync(1, 256);  // the last hand-over
+}
+
+// One TMA box read by a wgmma: warpgroup 0's first thread copies the ring's first box, warpgroup
+// 1 waits for it (all of it, or all but warp `skip_warp`) and issues S = B B^T over its first 16
+// columns (m64n64k16, both operands the box).
+__global__ void __launch_bounds__(256, 1) tma_wgmma_kernel(const __grid_constant__ CUtensorMap map, float* out,
+                                                           int skip_warp) {
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* box = wgmma_tiles::align_to_swizzle_atom(shared_tiles);
+  __shared__ __align__(8) uint64_t full;
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(&full, 1);
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    if (threadIdx.x == 0) {
+      ptx::mbarrier_arrive_expect_tx(&full, kRingBoxBytes);
+      ptx::tma_load_2d(box, &map, 0, 0, &full);
+    }
+    return;
+  }
+  if (int(threadIdx.x / 32) != skip_warp) wgmma_tiles::mbarrier_wait(&full, 0);
+  const uint64_t desc = wgmma_tiles::swizzled_128b_descriptor(box, 16, wgmma_tiles::kSwizzleAtomBytes);
+  float s[8][4];
+  ptx::wgmma_fence();
+  ptx::wgmma_m64n64k16_ss</*trans_b=*/0>(s, desc, desc, /*accumulate=*/false);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  out[threadIdx.x - 128] = s[0][0];
 }
 
 struct Outcome {
@@ -340,6 +371,28 @@ TEST_CASE("TMA ring: each injected bug stops the program, naming what went wrong
   std::printf("  a zeroed map: %s", garbage.errors.c_str());
   CHECK(garbage.aborted);
   CHECK(garbage.errors.find("not a tensor map") != std::string::npos);
+}
+
+// On the GPU a thread sees a TMA copy only after its own wait for the copy's phase; here the first
+// waiter lands it for all, so the wgmma operands are checked per thread.
+TEST_CASE("TMA then wgmma: a warp that issues without waiting for the copy's phase stops the program") {
+  auto run = [](int skip_warp) {
+    return in_child([&] {
+      Ring ring;
+      DeviceBuffer<float> out(128);
+      CUDA_CHECK(cudaFuncSetAttribute(tma_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(kRingSharedBytes)));
+      tma_wgmma_kernel<<<1, 256, kRingSharedBytes>>>(ring.map, out.get(), skip_warp);
+      CUDA_CHECK_LAUNCH();
+      if (!all_finite(to_double(out.download()))) std::abort();
+    });
+  };
+  const Outcome waited = run(-1), skipped = run(5);
+  std::printf("  warp 5 skips its wait: %s", skipped.errors.c_str());
+  CHECK(!waited.aborted && waited.exit_code == 0 && waited.errors.empty());
+  CHECK(skipped.aborted);
+  CHECK(skipped.errors.find("wgmma's A of thread 160 reads shared memory a TMA copy filled before this thread waited") !=
+        std::string::npos);
 }
 
 TEST_CASE("TMA map: a start off 16 bytes or rows a stride not a multiple of 16 bytes are refused, naming the tensor") {

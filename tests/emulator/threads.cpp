@@ -114,6 +114,9 @@ struct Fiber {
   std::deque<std::vector<PendingCopy>> committed;   // groups in flight, oldest first
   std::vector<std::function<void()>> wgmma_uncommitted;
   std::deque<std::vector<std::function<void()>>> wgmma_committed;
+  // Per mbarrier, the completed phases this thread has seen (a successful try_wait): what of the
+  // TMA copies it may read.
+  std::vector<std::pair<const uint64_t*, uint64_t>> seen_phases;
   const char* waiting_for = nullptr;  // what the thread waits on, for the deadlock report
   uint64_t waiting_detail = 0;         // which one (a barrier's shared byte, a named barrier's id)
   bool wgmma_fenced = false;     // a wgmma.fence since the last commit
@@ -124,6 +127,7 @@ struct Fiber {
     sp = stack_pointer;
     done = at_barrier = wgmma_fenced = copies_unfenced = false;
     waiting_for = nullptr;
+    seen_phases.clear();
     barrier_generation = 0;
     position = at;
     uncommitted.clear();
@@ -148,6 +152,15 @@ struct MBarrier {
   bool published = false;            // a fence.mbarrier_init by that thread since
   std::vector<TmaCopy> in_flight;    // issued in the current phase
   std::vector<TmaCopy> unlanded;     // of completed phases, before any thread saw them complete
+};
+
+// Shared memory a TMA copy filled, visible to a thread only once it has seen the copy's phase
+// complete: `phases`, the barrier's completed phases counting that one.
+struct TmaRegion {
+  const unsigned char* start;
+  size_t bytes;
+  const uint64_t* barrier;
+  uint64_t phases;
 };
 
 constexpr int kNamedBarriers = 16;
@@ -178,6 +191,7 @@ struct Block {
   uint64_t launch = 0;  // this host thread's launches so far: when a StaticSharedPlace was placed
   const std::function<void()>* body = nullptr;
   std::map<const uint64_t*, MBarrier> mbarriers;  // by the barrier's 8 bytes
+  std::vector<TmaRegion> tma_regions;              // what the completed copies filled
   NamedBarrier named[kNamedBarriers];
   std::vector<int> warp_registers;  // setmaxnreg's registers per thread, by warp
   int free_registers = 0;           // the block's registers no warp holds
@@ -294,6 +308,7 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   b.arrived = 0;
   b.unfenced_threads = 0;
   b.mbarriers.clear();
+  b.tma_regions.clear();
   for (NamedBarrier& n : b.named) n = NamedBarrier{};
   // What __launch_bounds__(threads, 1) compiles the kernel with, the block's registers: only what
   // a warp's decrease frees is there for another's increase.
@@ -472,7 +487,10 @@ void complete_phase_if_done(MBarrier& m, uint64_t* barrier) {
           shared_offset(barrier) + " that announced " + std::to_string(m.announced) +
           " (arrive.expect_tx): the phase would complete before the last of them lands");
   if (m.issued < m.announced) return;
-  for (TmaCopy& c : m.in_flight) m.unlanded.push_back(std::move(c));
+  for (TmaCopy& c : m.in_flight) {
+    host.block.tma_regions.push_back({c.shared, c.image.size(), barrier, m.phases + 1});
+    m.unlanded.push_back(std::move(c));
+  }
   m.in_flight.clear();
   ++m.phases;
   m.pending = m.count;
@@ -528,8 +546,30 @@ bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) {
   }
   for (const TmaCopy& c : m.unlanded) std::memcpy(c.shared, c.image.data(), c.image.size());
   m.unlanded.clear();
+  // The phase this wait names: the last completed one of that parity.
+  const uint64_t seen = m.phases == 0 ? 0 : (m.phases - 1) % 2 == (parity & 1) ? m.phases : m.phases - 1;
+  auto& seen_phases = host.running->seen_phases;
+  auto mine = std::find_if(seen_phases.begin(), seen_phases.end(), [&](const auto& p) { return p.first == barrier; });
+  if (mine == seen_phases.end())
+    seen_phases.push_back({barrier, seen});
+  else
+    mine->second = std::max(mine->second, seen);
   ++host.block.progress;
   return true;
+}
+
+void check_tma_visible(uint32_t window_address, const char* reader) {
+  const Block& b = host.block;
+  const unsigned char* byte = b.shared.data() + (window_address - kDynamicSharedWindowBase);
+  const auto& seen_phases = host.running->seen_phases;
+  for (const TmaRegion& r : b.tma_regions) {
+    if (byte < r.start || byte >= r.start + r.bytes) continue;
+    auto mine = std::find_if(seen_phases.begin(), seen_phases.end(), [&](const auto& p) { return p.first == r.barrier; });
+    if (mine == seen_phases.end() || mine->second < r.phases)
+      fatal(std::string(reader) + " of thread " + std::to_string(host.running->position.linear_index()) +
+            " reads shared memory a TMA copy filled before this thread waited for the copy's phase of the mbarrier at " +
+            shared_offset(r.barrier) + " (on the GPU it may read the tile before it lands)");
+  }
 }
 
 void tma_load(void* shared, const void* map_address, const int* coordinates, int rank, uint64_t* barrier) {
@@ -580,6 +620,10 @@ void tma_load(void* shared, const void* map_address, const int* coordinates, int
       std::memset(to, 0, map.element_bytes);  // out of bounds: zeros
   }
   std::memset(destination, 0xFF, bytes);
+  auto& regions = b.tma_regions;
+  regions.erase(std::remove_if(regions.begin(), regions.end(),
+                               [&](const TmaRegion& r) { return r.start < destination + bytes && destination < r.start + r.bytes; }),
+                regions.end());
   m.in_flight.push_back(std::move(copy));
   m.issued += bytes;
   ++b.progress;
