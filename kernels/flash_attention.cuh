@@ -397,22 +397,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   uint64_t *q_full = barriers, *q_empty = barriers + 1, *k_full = barriers + 2, *k_empty = k_full + kStages,
            *v_full = k_empty + kStages, *v_empty = v_full + kStages;
   if (threadIdx.x == 0) {
-    ptx::mbarrier_init(q_full, 1);
-    ptx::mbarrier_init(q_empty, kWsConsumerWarps);
-    for (int stage = 0; stage < kStages; ++stage) {
-      ptx::mbarrier_init(k_full + stage, 1);
-      ptx::mbarrier_init(k_empty + stage, kWsConsumerWarps);
-      ptx::mbarrier_init(v_full + stage, 1);
-      ptx::mbarrier_init(v_empty + stage, kWsConsumerWarps);
-    }
+    init_ring(q_full, q_empty, 1);
+    init_ring(k_full, k_empty, kStages);
+    init_ring(v_full, v_empty, kStages);
     ptx::fence_mbarrier_init();
   }
   __syncthreads();
   const int items = m.num_blocks * a.H;
   auto k0_of = [&](int qb, int j) { return m.kv_index[qb * m.max_kv + j] * kTile; };
 
-  if (threadIdx.x < 128) {  // the producer
-    ptx::setmaxnreg_dec<kWsProducerRegisters>();
+  if (take_producer_role()) {
     if (threadIdx.x != 0) return;
     uint32_t use = 0;
     for (int r = 0, item; (item = snake_item(r, items)) >= 0; ++r) {
@@ -433,7 +427,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     return;
   }
 
-  ptx::setmaxnreg_inc<kWsConsumerRegisters>();
   const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 - 4;  // warp: 16 rows of the tile
   const int row0 = warp * 16 + fragment_row(0);
   auto my_turn = [&] { ptx::named_barrier_sync(1 + consumer, 256); };
@@ -757,11 +750,17 @@ inline void check_flash_attention_shape(const AttentionTensors& a, const Attenti
 }
 
 // y: [T, H, 128], lse: [H, T]
-inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
-                                    const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+// The checks of both flash forwards.
+inline void check_flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, const bf16* y,
+                                          const AttentionTensors& a, const AttentionMask& mask) {
   check_flash_attention_shape(a, mask,
                               {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
                                {"v", v, kFlashCopiedAlignment}, {"y", y, kFlashWrittenAlignment}});
+}
+
+inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
+                                    const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+  check_flash_attention_forward(q, k, v, y, a, mask);
   const size_t smem = flash::kForwardSharedBytes;  // one CTA per SM
   flash::set_shared_memory(flash::forward_kernel, smem);
   const int items = a.T / flash::kTile * a.H;
@@ -774,9 +773,7 @@ inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v,
 // results as flash_attention_forward, its tiles copied by TMA (the maps made here, per call).
 inline void flash_attention_forward_ws(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
                                        const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
-  check_flash_attention_shape(a, mask,
-                              {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
-                               {"v", v, kFlashCopiedAlignment}, {"y", y, kFlashWrittenAlignment}});
+  check_flash_attention_forward(q, k, v, y, a, mask);
   const uint64_t columns = uint64_t(a.H) * kAttentionHeadDim;
   auto map = [&](const char* name, const bf16* start, int64_t stride) {
     return bf16_tile_map(name, start, a.T, columns, stride, flash::kTile, flash::kTmaBoxColumns);

@@ -68,17 +68,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   auto b_tile = [&](int stage) { return a_tile(stage) + kTileRows * kBlockK; };
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   if (threadIdx.x == 0) {
-    for (int stage = 0; stage < kStages; ++stage) {
-      ptx::mbarrier_init(full + stage, 1);
-      ptx::mbarrier_init(empty + stage, kWsConsumerWarps);
-    }
+    init_ring(full, empty, kStages);
     ptx::fence_mbarrier_init();
   }
   __syncthreads();
   const int tiles_n = N / kTileCols, tile_count = M / kTileRows * tiles_n, k_blocks = K / kBlockK;
 
-  if (threadIdx.x < 128) {  // the producer
-    ptx::setmaxnreg_dec<kWsProducerRegisters>();
+  if (take_producer_role()) {
     if (threadIdx.x != 0) return;
     uint32_t use = 0;
     for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x)
@@ -98,7 +94,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     return;
   }
 
-  ptx::setmaxnreg_inc<kWsConsumerRegisters>();
   const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 - 4;  // warp: 16 rows of the tile
   uint32_t use = 0;
   for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {

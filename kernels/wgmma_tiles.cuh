@@ -93,6 +93,27 @@ constexpr int launch_registers(int threads) { return 64 * 1024 / threads / 8 * 8
 static_assert(128 * kWsProducerRegisters + 2 * 128 * kWsConsumerRegisters <= kWsThreads * launch_registers(kWsThreads),
               "the consumers' registers are the block's, less the producer's");
 
+// The block's roles after its start: true for the producer warpgroup, which gives its registers
+// back, false for the consumers, which take them (setmaxnreg, warpgroup by warpgroup).
+__device__ inline bool take_producer_role() {
+  if (threadIdx.x < 128) {
+    ptx::setmaxnreg_dec<kWsProducerRegisters>();
+    return true;
+  }
+  ptx::setmaxnreg_inc<kWsConsumerRegisters>();
+  return false;
+}
+
+// A ring of `stages` buffers' mbarriers: `full` completes when a buffer's copies (one arrival with
+// their bytes) have landed, `empty` when every consumer warp has released it. One thread inits;
+// fence_mbarrier_init and a block barrier follow.
+__device__ inline void init_ring(uint64_t* full, uint64_t* empty, int stages) {
+  for (int stage = 0; stage < stages; ++stage) {
+    ptx::mbarrier_init(full + stage, 1);
+    ptx::mbarrier_init(empty + stage, kWsConsumerWarps);
+  }
+}
+
 // A consumer warp's arrival on a stage's `empty` barrier (kWsConsumerWarps arrivals a phase), once
 // all of its lanes are done reading the stage.
 __device__ inline void release_stage(uint64_t* empty) {
