@@ -997,7 +997,9 @@ struct Activations {
   std::unique_ptr<Fp8Head> fp8_head;  // the FP8 operands of one head chunk and of lm_head (or null)
 
   // fp8_head: training activations that also hold the FP8 head's operands (SPEC 1.5).
-  Activations(const GPTConfig& c, int T, bool backward, DeviceMemory& m, bool fp8_head = false)
+  // mlp_pre_activations: allocate u now (see allocate_mlp_pre_activations).
+  Activations(const GPTConfig& c, int T, bool backward, DeviceMemory& m, bool fp8_head = false,
+              bool mlp_pre_activations = true)
       : max_T(T), for_backward(backward), layers(c.num_layers), dskip(c.num_skips()) {
     const size_t td = size_t(T) * c.model_dim, tf = size_t(T) * c.mlp_dim();
     inputs = m.alloc<uint16_t>("input tokens", T);
@@ -1006,6 +1008,7 @@ struct Activations {
     x0 = m.alloc<bf16>("x0", td);
     for (int k = 0; k < c.num_value_embeds; ++k) value_embedded[k] = m.alloc<bf16>("value embedding " + std::to_string(k), td);
     for (int i = 0; i < c.num_layers; ++i) allocate_layer(c, i, T, m);
+    if (mlp_pre_activations) allocate_mlp_pre_activations(c, m);
     x_final = m.alloc<bf16>("final norm", td);
     logits = m.alloc<bf16>("logits chunk", size_t(std::min(T, kHeadChunkRows)) * c.vocab_size);
     losses = m.alloc<float>("token losses", T);
@@ -1027,6 +1030,18 @@ struct Activations {
     std::vector<float> table;
     rope_table_host(T, table);
     CUDA_CHECK(cudaMemcpy(cos_sin, table.data(), table.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+
+  // u [T, F] per layer, the MLP's pre-activation: only the unfused fc (--mlp-fc cublaslt) writes it,
+  // for its backward. The fused fc never does (3.6 GB of training activations at the record's T), so
+  // a run allocates u once the self-check has settled its paths, and only when the fc is unfused.
+  void allocate_mlp_pre_activations(const GPTConfig& c, DeviceMemory& m) {
+    for (int i = 0; i < c.num_layers; ++i) {
+      LayerActivations& l = layers[i];
+      if (l.u) continue;
+      const bool reuse = !for_backward && i > 0;
+      l.u = reuse ? layers[i - 1].u : m.alloc<bf16>("layer " + std::to_string(i) + " u", size_t(max_T) * c.mlp_dim());
+    }
   }
 
  private:
@@ -1058,7 +1073,6 @@ struct Activations {
       l.x_mid = l.x_mixed;
     }
     l.h_mlp = buffer(prev ? prev->h_mlp : nullptr, "h_mlp", td);
-    l.u = buffer(prev ? prev->u : nullptr, "u", tf);
     l.a = buffer(prev ? prev->a : nullptr, "a", tf);
     // A skip source keeps its output; other layers may overwrite the previous non-source output.
     bool previous_is_source = i - 1 < c.num_skips();
@@ -1206,6 +1220,7 @@ class GPT {
     if (paths_.fused_mlp_fc) {  // a = relu(h W^T)^2 in one pass; u is not written
       matmul_relu_squared(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.a, T_, F, d, stream_);
     } else {
+      if (!l.u) throw std::logic_error("the unfused MLP fc asked of activations built without u (--mlp-fc fused)");
       linear(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.u, F, d);
       relu_squared_forward(l.u, l.a, size_t(T_) * F, stream_);
     }
@@ -2383,8 +2398,8 @@ class TrainingRun {
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
         groups_(*comm_, h.diloco_groups), model_(config_, memory_),
         optimizers_(h, model_.params, group(), memory_),
-        train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head),
-        eval_(config_, h.val_seq_len, false, memory_),
+        train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head, /*mlp_pre_activations=*/false),
+        eval_(config_, h.val_seq_len, false, memory_, false, /*mlp_pre_activations=*/false),
         val_(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab),
         checksum_(memory_.alloc<unsigned long long>("parameter checksum", 1)),
         state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, g)) {
@@ -2410,6 +2425,8 @@ class TrainingRun {
     self_check.stop_if_strict(h);
     paths_ = self_check.paths;
     model_.set_paths(paths_);
+    if (!paths_.fused_mlp_fc)
+      for (Activations* acts : {&train_, &eval_}) acts->allocate_mlp_pre_activations(config_, memory_);
     optimizers_.set_batched_muon(paths_.batched_muon);
     if (comm_->rank() == 0) {
       log_ = std::make_unique<RunLog>(h.log_dir, new_run_id());

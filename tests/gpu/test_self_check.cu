@@ -51,12 +51,13 @@ SelfCheckOutcome self_check_with(const Hyperparameters& h, Fault fault) {
 }
 
 // One micro-sequence's forward and backward on `paths` (the FP8 head on): the summed loss and
-// every parameter's gradient.
+// every parameter's gradient. The activations hold u only where the paths use it, as a run's.
 std::pair<double, std::vector<std::vector<double>>> gradients_on(const KernelPaths& paths) {
   const int T = 256;
   DeviceMemory memory;
   GPT model(gpu_config(), memory);
-  Activations acts(model.config(), T, /*backward=*/true, memory, /*fp8_head=*/true);
+  Activations acts(model.config(), T, /*backward=*/true, memory, /*fp8_head=*/true,
+                   /*mlp_pre_activations=*/!paths.fused_mlp_fc);
   load_weights(reference_config(), model, 61);
   const std::vector<uint16_t> tokens = synthetic_tokens(T + 1, 1024, 1023, 1.0 / 90, 62);
   HostBatch host(tokens.data(), 1, T, 0);
@@ -157,6 +158,25 @@ TEST_CASE("the model on the reference paths (the FP8 head kept) gives the fast p
     const double error = relative_error(reference_grads[p], fast_grads[p]);
     std::printf("  %-28s grad rel. error %.2e\n", params[p].name.c_str(), error);
     CHECK(error <= grad_bound_of(params[p], 2e-2));  // bf16 rounding apart, as test_training's M = 8 vs M = 1
+  }
+}
+
+TEST_CASE("activations without u (--mlp-fc fused) refuse the unfused MLP fc until u is allocated") {
+  const int T = 256;
+  DeviceMemory memory;
+  GPT model(gpu_config(), memory);
+  Activations train(model.config(), T, /*backward=*/true, memory, false, /*mlp_pre_activations=*/false),
+      eval(model.config(), T, /*backward=*/false, memory, false, /*mlp_pre_activations=*/false);
+  for (const Activations* acts : {&train, &eval})
+    for (const LayerActivations& l : acts->layers) CHECK(l.u == nullptr);
+  load_weights(reference_config(), model, 61);
+  const std::vector<uint16_t> tokens = synthetic_tokens(T + 1, 1024, 1023, 1.0 / 90, 62);
+  HostBatch host(tokens.data(), 1, T, 0);
+  CHECK_THROWS_WITH(accumulate_gradients(model, train, host.batch, 2, false, 0), "activations built without u");
+  for (Activations* acts : {&train, &eval}) acts->allocate_mlp_pre_activations(model.config(), memory);
+  for (size_t i = 1; i < train.layers.size(); ++i) {
+    CHECK(train.layers[i].u != nullptr && train.layers[i].u != train.layers[i - 1].u);  // kept for the backward
+    CHECK(eval.layers[i].u == eval.layers[0].u);                                         // one u for evaluation
   }
 }
 
