@@ -106,6 +106,7 @@ struct Hyperparameters {
   std::string muon = "batched";        // batched or per-matrix
   std::string residual_add = "fused";  // fused or separate
   std::string mlp_fc = "cublaslt";     // cublaslt or fused (opt-in until measured on a GPU)
+  int fp8_logits_algorithm = 0;        // cuBLASLt's heuristic answer for the FP8 logits (bench_kernels fp8 times them)
   std::string self_check = "fallback"; // fallback, strict or off
   bool self_check_only = false;        // run the self-check and exit
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
@@ -252,6 +253,11 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "the MLP's first product and ReLU²: cublaslt (cuBLASLt, then a ReLU² pass) or fused (our TMA / wgmma GEMM "
        "with ReLU² in its epilogue; opt-in until measured faster on a GPU)",
        one_of(&h.mlp_fc, {"cublaslt", "fused"}), "cublaslt or fused"},
+      {"fp8-logits-algorithm", &h.fp8_logits_algorithm,
+       "which of cuBLASLt's heuristic algorithms the FP8 head's logits product takes: 0 its first; "
+       "`bench_kernels fp8` times each at the model's shape",
+       [&h] { return h.fp8_logits_algorithm >= 0 && h.fp8_logits_algorithm < Matmul::kMaxCandidates; },
+       "in [0, " + std::to_string(Matmul::kMaxCandidates) + ")"},
       {"self-check", &h.self_check,
        "check the fast paths at start-up: fallback (a failing one's reference), strict (exit 6), off",
        one_of(&h.self_check, {"fallback", "strict", "off"}), "fallback, strict or off"},
@@ -1239,6 +1245,7 @@ class GPT {
     const Param& head_param = params.find(ParamKind::lm_head, -1);
     if (fp8) {
       fp8->set_fused_gradient(paths_.fused_e5m2_gradient);
+      fp8->set_logits_candidate(paths_.fp8_logits_candidate);
       fp8->quantize_weight(params.master + head_param.offset, stream_);
     }
     const bf16* w = params.weights + head_param.offset;
@@ -2306,6 +2313,7 @@ inline KernelPaths paths_of(const Hyperparameters& h) {
   p.batched_muon = h.muon == "batched";
   p.fused_residual_add = h.residual_add == "fused";
   p.fused_mlp_fc = h.mlp_fc == "fused";
+  p.fp8_logits_candidate = h.fp8_logits_algorithm;
   return p;
 }
 

@@ -201,6 +201,10 @@ class Fp8Head {
   // more: the self-check's reference, and the run's path with --fp8-gradient cast).
   void set_fused_gradient(bool fused) { fused_gradient_ = fused; }
 
+  // Which of cuBLASLt's heuristic answers the logits product takes (MatmulOptions::candidate; 0 its
+  // first): `bench_kernels fp8` times each at the model's shape, --fp8-logits-algorithm picks one.
+  void set_logits_candidate(int candidate) { logits_candidate_ = candidate; }
+
   // From the gradient of the last loss_and_gradient: dx [rows, d] bf16 (overwritten) and
   // dw [V, d] fp32 += the weight gradient (accumulates over chunks and micro-sequences).
   void backward(bf16* dx, float* dw, Matmul& matmul, cudaStream_t stream) {
@@ -222,6 +226,7 @@ class Fp8Head {
   }
   void logits_product(bf16* logits, Matmul& matmul, cudaStream_t stream) {  // logits [rows, V]
     MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, device_scale(kX), device_scale(kW), /*fast_accum=*/true};
+    o.candidate = logits_candidate_;
     matmul(x_f8_, Transpose::N, w_f8_, Transpose::T, logits, rows_, V_, d_, CUDA_R_16BF, o, stream);
   }
   void grad_input_product(bf16* dx, Matmul& matmul, cudaStream_t stream) {  // dx [rows, d] = g [rows, V] w [V, d]
@@ -267,6 +272,7 @@ class Fp8Head {
 
   int max_rows_, V_, d_, rows_ = 0;
   bool weight_ready_ = false, gradient_ready_ = false, fused_gradient_ = true;
+  int logits_candidate_ = 0;
   Fp8HeadScales scales_;
   uint8_t* storage_ = nullptr;
   fp8 *x_f8_ = nullptr, *x_f8_t_ = nullptr, *w_f8_ = nullptr, *w_f8_t_ = nullptr, *g_f8_ = nullptr, *g_f8_t_ = nullptr;

@@ -26,6 +26,10 @@ enum class Transpose { N, T };
 // and M, N, K multiples of 16.
 // `addend`: the matrix beta scales when it is not the output, D = alpha op(A) op(B) + beta addend
 // (laid out as the output), so a residual add needs no copy of the residual first.
+// `candidate`: which of cuBLASLt's heuristic answers for the product runs (0: its first, as before);
+// `bench_kernels fp8` times each, since the heuristic's first is not always the fastest (the FP8
+// head's logits: 3.74 ms against 3.40 for torch's on an H100). Fixed per run by a flag, not timed at
+// start, so that a run and its resume take the same algorithm (and the same bits).
 // A strided batch: `count` products, the i-th at A + i stride_a, B + i stride_b, C + i stride_c
 // (elements).
 struct MatmulBatch {
@@ -40,6 +44,7 @@ struct MatmulOptions {
   bool fast_accum = false;
   MatmulBatch batch;
   const void* addend = nullptr;  // null: beta scales the output itself
+  int candidate = 0;
 };
 
 inline bool is_fp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
@@ -57,6 +62,8 @@ class Matmul {
   }
   Matmul(const Matmul&) = delete;
   Matmul& operator=(const Matmul&) = delete;
+
+  static constexpr int kMaxCandidates = 16;  // the heuristic answers a product may choose from (MatmulOptions)
 
   // Row-major C[M, N] = alpha * op(A)[M, K] op(B)[K, N] + beta * C. A is stored [M, K] (N) or
   // [K, M] (T); B is stored [K, N] (N) or [N, K] (T). A and B are bf16; C is bf16 or fp32.
@@ -76,8 +83,11 @@ class Matmul {
     const MatmulBatch& b = o.batch;
     const Alignments alignments{alignment(A, b, b.stride_a, o.a_type), alignment(B, b, b.stride_b, o.b_type),
                                 alignment(addend, b, b.stride_c, c_type), alignment(C, b, b.stride_c, c_type)};
+    if (o.candidate < 0 || o.candidate >= kMaxCandidates)
+      throw std::invalid_argument("matmul: candidate " + std::to_string(o.candidate) + " is not in [0, " +
+                                  std::to_string(kMaxCandidates) + ")");
     const Plan& plan = plan_for({M, N, K, ta == Transpose::T, tb == Transpose::T, c_type, o.a_type, o.b_type,
-                                 o.fast_accum, b.count, b.stride_a, b.stride_b, b.stride_c, alignments},
+                                 o.fast_accum, b.count, b.stride_a, b.stride_b, b.stride_c, alignments, o.candidate},
                                 o);
     if (is_fp8(o.a_type)) set_scales(plan, o);  // the plan may have been made with other scale buffers
     // cuBLASLt is column-major: compute C^T[N, M] = op(B)^T op(A)^T, i.e. B first.
@@ -89,9 +99,10 @@ class Matmul {
   // Bytes to which every batch of A, B, the addend and C is aligned, at most 256: cuBLASLt's heuristic
   // assumes 256 unless told less, and may pick an algorithm that fails on a less aligned slice.
   using Alignments = std::array<uint32_t, 4>;
-  // M, N, K, transA, transB, C type, A type, B type, fast accumulation, batch count and strides, alignments
+  // M, N, K, transA, transB, C type, A type, B type, fast accumulation, batch count and strides,
+  // alignments, candidate
   using Key = std::tuple<int, int, int, bool, bool, cudaDataType_t, cudaDataType_t, cudaDataType_t, bool, int, int64_t,
-                         int64_t, int64_t, Alignments>;
+                         int64_t, int64_t, Alignments, int>;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
@@ -102,7 +113,7 @@ class Matmul {
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second;
     auto [M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum, batch, stride_a, stride_b, stride_c,
-          alignments] = key;
+          alignments, candidate] = key;
     check_types(M, N, K, trans_a, trans_b, c_type, a_type, b_type, fast_accum);
     Plan p;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -135,14 +146,18 @@ class Matmul {
                                     std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, addend_bytes},
                                     std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c_bytes}})
       CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof(bytes)));
-    cublasLtMatmulHeuristicResult_t result{};
+    std::array<cublasLtMatmulHeuristicResult_t, kMaxCandidates> results{};
     int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.b, p.a, p.c, p.c, pref, 1, &result, &found));
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.b, p.a, p.c, p.c, pref, candidate + 1,
+                                                results.data(), &found));
     cublasLtMatmulPreferenceDestroy(pref);
-    if (found == 0)
-      throw std::runtime_error("cuBLASLt has no algorithm for a " + std::to_string(M) + "x" + std::to_string(N) +
-                               "x" + std::to_string(K) + " matmul");
-    p.algo = result.algo;
+    const std::string product = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) + " matmul";
+    if (found == 0) throw std::runtime_error("cuBLASLt has no algorithm for a " + product);
+    if (found <= candidate)
+      throw std::invalid_argument("cuBLASLt offers " + std::to_string(found) + " algorithm" + (found > 1 ? "s" : "") +
+                                  " for a " + product + ": candidate " + std::to_string(candidate) +
+                                  " is not one (they count from 0)");
+    p.algo = results[candidate].algo;
     return plans_.emplace(key, p).first->second;
   }
 

@@ -41,6 +41,9 @@ struct KernelPaths {
   bool batched_muon = true;
   bool fused_residual_add = true;
   bool fused_mlp_fc = false;  // opt-in (--mlp-fc fused) until measured on a GPU
+  // Not a fast path: which of cuBLASLt's algorithms the FP8 logits product takes (--fp8-logits-algorithm;
+  // the self-check's small product has other candidates, so it checks the heuristic's first).
+  int fp8_logits_candidate = 0;
 };
 
 // The attention forward that a run's paths select.

@@ -112,6 +112,8 @@ TEST_CASE("the fast paths' flags select their references; the self-check's modes
                                             "per-matrix", "--residual-add", "separate", "--mlp-fc", "cublaslt"}));
   for (const FastPath& p : fast_paths()) CHECK(!(references.*p.member));
   CHECK_THROWS_WITH(parse_only({"--mlp-fc", "cudnn"}), "--mlp-fc = cudnn: must be cublaslt or fused");
+  CHECK(fast.fp8_logits_candidate == 0 && paths_of(parsed({"--fp8-logits-algorithm", "3"})).fp8_logits_candidate == 3);
+  CHECK_THROWS_WITH(parse_only({"--fp8-logits-algorithm", "16"}), "--fp8-logits-algorithm = 16: must be in [0, 16)");
   CHECK(parsed({}).self_check == "fallback" && !parsed({}).self_check_only);
   CHECK(parsed({"--self-check", "strict", "--self-check-only"}).self_check_only);
   CHECK_THROWS_WITH(parse_only({"--self-check", "on"}), "--self-check = on: must be fallback, strict or off");

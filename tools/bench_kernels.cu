@@ -217,6 +217,20 @@ void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
   loss();
   const double flops = 2.0 * T * D * double(V);  // one product over all chunks
   row("fp8 head fwd", median_ms([&] { chunks([&](int) { head.logits_product(logits, matmul, 0); }); }), 0, flops, peaks, true);
+  // cuBLASLt's other answers for the same product (--fp8-logits-algorithm N picks one for a run)
+  for (int candidate = 1; candidate < Matmul::kMaxCandidates; ++candidate) {
+    head.set_logits_candidate(candidate);
+    const std::string name = "fp8 head fwd, candidate " + std::to_string(candidate);
+    try {
+      row(name.c_str(), median_ms([&] { chunks([&](int) { head.logits_product(logits, matmul, 0); }); }), 0, flops,
+          peaks, true);
+    } catch (const std::invalid_argument&) {  // the heuristic offers no more
+      break;
+    } catch (const std::exception& e) {  // offered, but refused at the product: say so, try the next
+      std::printf("| %-38s | %s\n", name.c_str(), e.what());
+    }
+  }
+  head.set_logits_candidate(0);
   row("fp8 head dx", median_ms([&] { chunks([&](int c) { head.grad_input_product(dx_chunk(c), matmul, 0); }); }), 0,
       flops, peaks, true);
   row("fp8 head dW (fp32 out)", median_ms([&] { chunks([&](int) { head.grad_weight_product(dw, matmul, 0); }); }), 0,

@@ -288,10 +288,15 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
                            state<cublasLtMatrixLayout_t, Layout>(b), state<cublasLtMatrixLayout_t, Layout>(c),
                            state<cublasLtMatrixLayout_t, Layout>(d));
   if (s != CUBLAS_STATUS_SUCCESS) return s;
-  results[0] = cublasLtMatmulHeuristicResult_t{};
-  results[0].state = CUBLAS_STATUS_SUCCESS;
-  state<cublasLtMatmulAlgo_t*, Alignments>(&results[0].algo) = state<cublasLtMatmulPreference_t, Alignments>(pref);
-  *found = 1;
+  // Several answers, as the library gives: all one emulated algorithm (the products are exact here),
+  // so that choosing another candidate (MatmulOptions::candidate) runs and one past them is refused.
+  constexpr int kCandidates = 4;
+  *found = std::min(requested, kCandidates);
+  for (int i = 0; i < *found; ++i) {
+    results[i] = cublasLtMatmulHeuristicResult_t{};
+    results[i].state = CUBLAS_STATUS_SUCCESS;
+    state<cublasLtMatmulAlgo_t*, Alignments>(&results[i].algo) = state<cublasLtMatmulPreference_t, Alignments>(pref);
+  }
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -367,6 +367,45 @@ TEST_CASE("forward, dx and accumulated dW against fp64 sums over the same FP8 op
   if (at_record_shapes("the record's chunk")) check_products(8192, 50304, 768, 24, 48, 22);
 }
 
+// Each of cuBLASLt's answers for the logits product (--fp8-logits-algorithm) against fp64 sums over
+// the same FP8 operands, until the heuristic offers no more (refused, naming the count).
+void check_logits_candidates(int rows, int V, int d, int sample_rows, uint64_t seed) {
+  Fp8Head head(rows, V, d);
+  const Fp8HeadScales& s = head.scales();
+  DeviceBuffer<bf16> x(wide_bf16(size_t(rows) * d, std::sqrt(float(d)) / 4, 16, seed)), logits(size_t(rows) * V);
+  DeviceBuffer<float> w(wide_fp32(size_t(V) * d, 2.0f, 16, seed + 1));
+  head.quantize_weight(w.get(), 0);
+  head.quantize_input(x.get(), rows, 0);
+  const Fp8HeadOperands op = head.operands();
+  const std::vector<int> R = spread(rows, sample_rows);
+  const std::vector<double> want =
+      products_nt(decode_rows(download_bytes(op.x, size_t(rows) * d), d, R, kE4M3),
+                  decode_rows(download_bytes(op.w, size_t(V) * d), d, spread(V, V), kE4M3), d, double(s.x) * s.w);
+  Matmul matmul;
+  int candidate = 0;
+  for (;; ++candidate) {
+    head.set_logits_candidate(candidate);
+    logits.poison();
+    try {
+      head.logits_product(logits.get(), matmul, 0);
+    } catch (const std::invalid_argument& e) {
+      CHECK(std::string(e.what()).find("cuBLASLt offers " + std::to_string(candidate) + " algorithm") == 0);
+      break;
+    }
+    const std::vector<bf16> got = logits.download();
+    CHECK(count_nonfinite(got) == 0);
+    const double error = relative_error(rows_of(got, V, R), want);
+    std::printf("  %d x %d x %d, candidate %d: rel. error %.2e\n", rows, V, d, candidate, error);
+    CHECK(error <= kBf16Bound);
+  }
+  CHECK(candidate >= 1);
+}
+
+TEST_CASE("every cuBLASLt candidate of the logits product (--fp8-logits-algorithm) against fp64 sums") {
+  check_logits_candidates(256, 1024, 256, 256, 31);
+  if (at_record_shapes("the record's chunk")) check_logits_candidates(8192, 50304, 768, 24, 32);
+}
+
 // The accumulation alone, where the bf16 logits' own rounding (~1.7e-3 above) does not hide it: the
 // logits' product (e4m3 x e4m3) with fp32 out at the record's K = d = 768, with and without fast
 // accumulation, against fp64 sums of the same FP8 operands. Gaussian x (RMS-normalised) and w.

@@ -180,6 +180,12 @@ TEST_CASE("activations without u (--mlp-fc fused) refuse the unfused MLP fc unti
   }
 }
 
+TEST_CASE("the model's FP8 logits product takes the run's cuBLASLt candidate (--fp8-logits-algorithm)") {
+  KernelPaths paths;
+  paths.fp8_logits_candidate = Matmul::kMaxCandidates;  // refused by the product, wherever it runs
+  CHECK_THROWS_WITH(gradients_on(paths), "matmul: candidate 16 is not in [0, 16)");
+}
+
 TEST_CASE("the self-check at the record's shapes passes on this GPU") {
   if (!at_record_shapes("the record-shaped self-check")) return;
   const GPTConfig c;
