@@ -561,8 +561,9 @@ struct DqPartialSums {
   int* ticket;  // the CTAs' start order (zero at the launch)
   int* turns;   // [H, T / 64]: contributions added so far to each (head, 64 queries) (zero at the launch)
 };
-// A turn that never comes (a scheduling bug) traps after about two minutes of polling, long past any
-// honest wait (a CTA waits for CTAs already running), even under time-slicing or a debugger.
+// A turn that never comes (a scheduling bug) traps after 2^30 polls (minutes: each sleeps up to twice
+// its 64 ns and reads L2), long past any honest wait (a CTA waits for CTAs already running), even
+// under time-slicing or a debugger.
 constexpr unsigned kMaxTurnPolls = 1u << 30;
 
 // Thread 0 waits until `counter` reaches `turn`: every contribution before this CTA's is in.

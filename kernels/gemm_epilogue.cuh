@@ -39,10 +39,13 @@ constexpr uint32_t kNGroupBytes = kNGroup * kBlockK * sizeof(bf16);
 enum class BLayout { k_major, n_major };
 
 // Epilogues: the bf16 pair C[index], C[index + 1] from the accumulators x0, x1 of those elements.
+// check(): the host's refusals of what an epilogue's own operands would fault on.
 struct Identity {
+  void check() const {}
   __device__ uint32_t operator()(float x0, float x1, size_t) const { return pack_bf16(x0, x1); }
 };
 struct ReluSquared {  // a = relu(u)^2
+  void check() const {}
   __device__ uint32_t operator()(float x0, float x1, size_t) const {
     const float r0 = fmaxf(x0, 0.0f), r1 = fmaxf(x1, 0.0f);
     return pack_bf16(r0 * r0, r1 * r1);
@@ -50,6 +53,10 @@ struct ReluSquared {  // a = relu(u)^2
 };
 struct ReluSquaredBackward {  // du = da 2 relu(u), relu(u) = sqrt(a) from the forward's a (as C, [M, N])
   const bf16* a;
+  void check() const {  // a bf16 pair is read at a time
+    if (reinterpret_cast<uintptr_t>(a) % 4)
+      throw std::invalid_argument("gemm with epilogue: ReLU²'s backward reads a, which must start 4-byte aligned");
+  }
   __device__ uint32_t operator()(float da0, float da1, size_t index) const {
     const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(a + index);
     return pack_bf16(da0 * 2 * sqrtf(__low2float(pair)), da1 * 2 * sqrtf(__high2float(pair)));
@@ -145,6 +152,7 @@ void gemm(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, Epilogue e
     throw std::invalid_argument("gemm with epilogue: " + shape + " (M x N x K) must be multiples of 128 x 256 x 64");
   if (reinterpret_cast<uintptr_t>(a) % 16 || reinterpret_cast<uintptr_t>(b) % 16 || reinterpret_cast<uintptr_t>(c) % 4)
     throw std::invalid_argument("gemm with epilogue: A and B must start 16-byte aligned, C 4-byte aligned");
+  epilogue.check();
   const CUtensorMap a_map = bf16_tile_map("the product's A", a, M, K, K, kTileRows, kBlockK),
                     b_map = b_layout == BLayout::k_major ? bf16_tile_map("the product's B", b, N, K, K, kTileCols, kBlockK)
                                                          : bf16_tile_map("the product's B", b, K, N, N, kBlockK, kNGroup);

@@ -197,6 +197,8 @@ TEST_CASE("gemm with an epilogue: A B^T, relu(A B^T)^2, A B, (A B) 2 sqrt(a) (12
                     "gemm with epilogue: 512x768x96 (M x N x K) must be multiples of 128 x 256 x 64");
   CHECK_THROWS_WITH(matmul_relu_squared(a_dev.get() + 1, b_dev.get(), c_relu.get(), M, N, K, 0),
                     "gemm with epilogue: A and B must start 16-byte aligned");
+  CHECK_THROWS_WITH(matmul_relu_squared_backward(a_dev.get(), b_t_dev.get(), du.get() + 1, du.get(), M, N, K, 0),
+                    "ReLU²'s backward reads a, which must start 4-byte aligned");
 }
 
 TEST_CASE("softcapped cross-entropy: token losses and the in-place gradient, vocab 50304 and 96") {
