@@ -234,10 +234,14 @@ T atomicAdd(T* address, T value) {
 
 // The fused attention backward's fp32 sums in a fixed order (flash::DqPartialSums): a red of two
 // floats, loads and stores that bypass L1, and the counter's fence and polling. Blocks run one
-// after another here, so a turn is either there at once or never (then the kernel traps).
+// after another here, so a turn is either there at once or never (then the kernel traps). As the
+// GPU's atom.add.f32 on global memory (PTX ISA: without .noftz it flushes subnormal inputs and
+// results to sign-preserving zero; atomicAdd has no .noftz), the float2 add flushes subnormals.
+inline float flush_subnormal(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
 inline float2 atomicAdd(float2* address, float2 value) {
   const float2 before = *address;
-  *address = make_float2(before.x + value.x, before.y + value.y);
+  *address = make_float2(flush_subnormal(flush_subnormal(before.x) + flush_subnormal(value.x)),
+                         flush_subnormal(flush_subnormal(before.y) + flush_subnormal(value.y)));
   return before;
 }
 inline float2 __ldcg(const float2* p) { return *p; }
