@@ -106,6 +106,7 @@ struct Hyperparameters {
   std::string muon = "batched";        // batched or per-matrix
   std::string residual_add = "fused";  // fused or separate
   std::string mlp_fc = "cublaslt";     // cublaslt or fused (opt-in until measured on a GPU)
+  std::string qkv = "cublaslt";        // cublaslt or fused (opt-in until measured on a GPU)
   int fp8_logits_algorithm = 0;        // cuBLASLt's heuristic answer for the FP8 logits (bench_kernels fp8 times them)
   std::string self_check = "fallback"; // fallback, strict or off
   bool self_check_only = false;        // run the self-check and exit
@@ -253,6 +254,10 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "the MLP's first product and ReLU²: cublaslt (cuBLASLt, then a ReLU² pass) or fused (our TMA / wgmma GEMM "
        "with ReLU² in its epilogue; opt-in until measured faster on a GPU)",
        one_of(&h.mlp_fc, {"cublaslt", "fused"}), "cublaslt or fused"},
+      {"qkv", &h.qkv,
+       "the attention's qkv product, QK norm, RoPE and the value mix: cublaslt (cuBLASLt, then two passes) or "
+       "fused (our GEMM with them in its epilogue; opt-in until measured faster on a GPU)",
+       one_of(&h.qkv, {"cublaslt", "fused"}), "cublaslt or fused"},
       {"fp8-logits-algorithm", &h.fp8_logits_algorithm,
        "which of cuBLASLt's heuristic algorithms the FP8 head's logits product takes: 0 its first; "
        "`bench_kernels fp8` times each at the model's shape",
@@ -1209,12 +1214,17 @@ class GPT {
   void attention_forward_layer(int i, const MicroSequencePlan& plan) {
     LayerActivations& l = a_->layers[i];
     const int d = c_.model_dim;
-    linear(l.h_attn, params.weight(ParamKind::qkv, i), l.qkv, 3 * d, d);
-    qk_norm_rope_forward(l.qkv, a_->cos_sin, l.q, l.k, T_, c_.num_heads, stream_);
-    int table = c_.value_embed[i];
-    weighted_sum_forward(l.qkv + 2 * d, scalar(c_.sa_lambda_index(i, 0)),
-                         table >= 0 ? a_->value_embedded[table] : nullptr, scalar(c_.sa_lambda_index(i, 1)), l.v, T_,
-                         d, 3 * d, stream_);
+    const int table = c_.value_embed[i];
+    const bf16* ve = table >= 0 ? a_->value_embedded[table] : nullptr;
+    const float *sa0 = scalar(c_.sa_lambda_index(i, 0)), *sa1 = scalar(c_.sa_lambda_index(i, 1));
+    if (paths_.fused_qkv) {  // q, k and v from the product's own accumulators: qkv is not read back
+      matmul_qkv_norm_rope(l.h_attn, params.weight(ParamKind::qkv, i), l.qkv, l.q, l.k, l.v, a_->cos_sin, sa0, ve, sa1,
+                           T_, d, stream_);
+    } else {
+      linear(l.h_attn, params.weight(ParamKind::qkv, i), l.qkv, 3 * d, d);
+      qk_norm_rope_forward(l.qkv, a_->cos_sin, l.q, l.k, T_, c_.num_heads, stream_);
+      weighted_sum_forward(l.qkv + 2 * d, sa0, ve, sa1, l.v, T_, d, 3 * d, stream_);
+    }
     attention_forward_of(paths_)(l.q, l.k, l.v, l.y, l.lse, attention_shape(), mask(plan, i), stream_);
     linear(l.y, params.weight(ParamKind::attn_proj, i), l.x_mid, d, d, /*residual=*/l.x_mixed);
   }
@@ -2313,6 +2323,7 @@ inline KernelPaths paths_of(const Hyperparameters& h) {
   p.batched_muon = h.muon == "batched";
   p.fused_residual_add = h.residual_add == "fused";
   p.fused_mlp_fc = h.mlp_fc == "fused";
+  p.fused_qkv = h.qkv == "fused";
   p.fp8_logits_candidate = h.fp8_logits_algorithm;
   return p;
 }

@@ -38,21 +38,38 @@ constexpr uint32_t kNGroupBytes = kNGroup * kBlockK * sizeof(bf16);
 // How B is stored: [N, K] row-major (C = A B^T) or [K, N] row-major (C = A B).
 enum class BLayout { k_major, n_major };
 
-// Epilogues: the bf16 pair C[index], C[index + 1] from the accumulators x0, x1 of those elements.
-// check(): the host's refusals of what an epilogue's own operands would fault on.
-struct Identity {
+// Epilogues: `store` writes a consumer thread's part of the 128 x 256 output tile from its
+// accumulators: acc[n][e] holds element (row0 + fragment_row(e), col0 + fragment_col(n, e)) of C
+// (row0: the warp's first row). check(): the host's refusals of what an epilogue's own operands
+// would fault on.
+//
+// The elementwise ones (Derived maps x0, x1 to the bf16 pair C[index], C[index + 1]):
+template <typename Derived>
+struct Elementwise {
   void check() const {}
+  __device__ void store(const float (&acc)[kTileCols / 8][4], bf16* c, int row0, int col0, int N) const {
+#pragma unroll
+    for (int n = 0; n < kTileCols / 8; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const size_t index = size_t(row0 + fragment_row(2 * half)) * N + col0 + fragment_col(n, 0);
+        *reinterpret_cast<uint32_t*>(c + index) =
+            static_cast<const Derived&>(*this)(acc[n][2 * half], acc[n][2 * half + 1], index);
+      }
+  }
+};
+struct Identity : Elementwise<Identity> {
   __device__ uint32_t operator()(float x0, float x1, size_t) const { return pack_bf16(x0, x1); }
 };
-struct ReluSquared {  // a = relu(u)^2
-  void check() const {}
+struct ReluSquared : Elementwise<ReluSquared> {  // a = relu(u)^2
   __device__ uint32_t operator()(float x0, float x1, size_t) const {
     const float r0 = fmaxf(x0, 0.0f), r1 = fmaxf(x1, 0.0f);
     return pack_bf16(r0 * r0, r1 * r1);
   }
 };
-struct ReluSquaredBackward {  // du = da 2 relu(u), relu(u) = sqrt(a) from the forward's a (as C, [M, N])
+struct ReluSquaredBackward : Elementwise<ReluSquaredBackward> {  // du = da 2 relu(u), relu(u) = sqrt(a) (a as C)
   const bf16* a;
+  explicit ReluSquaredBackward(const bf16* forward_a) : a(forward_a) {}
   void check() const {  // a bf16 pair is read at a time
     if (reinterpret_cast<uintptr_t>(a) % 4)
       throw std::invalid_argument("gemm with epilogue: ReLU²'s backward reads a, which must start 4-byte aligned");
@@ -132,14 +149,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     wgmma_wait_all(acc);
     release_stage(empty + stage_use<kStages>(use - 1).stage);
-    const int row0 = tile / tiles_n * kTileRows + warp * 16, col0 = tile % tiles_n * kTileCols;
-#pragma unroll
-    for (int n = 0; n < kTileCols / 8; ++n)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const size_t index = size_t(row0 + fragment_row(2 * half)) * N + col0 + fragment_col(n, 0);
-        *reinterpret_cast<uint32_t*>(c + index) = epilogue(acc[n][2 * half], acc[n][2 * half + 1], index);
-      }
+    epilogue.store(acc, c, tile / tiles_n * kTileRows + warp * 16, tile % tiles_n * kTileCols, N);
   }
 }
 
@@ -147,12 +157,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // shapes off the tiles and starts the copies or stores would fault on.
 template <BLayout b_layout, typename Epilogue>
 void gemm(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, Epilogue epilogue, cudaStream_t stream) {
+  epilogue.check();
   const std::string shape = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K);
   if (M <= 0 || N <= 0 || K <= 0 || M % kTileRows || N % kTileCols || K % kBlockK)
     throw std::invalid_argument("gemm with epilogue: " + shape + " (M x N x K) must be multiples of 128 x 256 x 64");
   if (reinterpret_cast<uintptr_t>(a) % 16 || reinterpret_cast<uintptr_t>(b) % 16 || reinterpret_cast<uintptr_t>(c) % 4)
     throw std::invalid_argument("gemm with epilogue: A and B must start 16-byte aligned, C 4-byte aligned");
-  epilogue.check();
   const CUtensorMap a_map = bf16_tile_map("the product's A", a, M, K, K, kTileRows, kBlockK),
                     b_map = b_layout == BLayout::k_major ? bf16_tile_map("the product's B", b, N, K, K, kTileCols, kBlockK)
                                                          : bf16_tile_map("the product's B", b, K, N, N, kBlockK, kNGroup);
@@ -178,5 +188,5 @@ inline void matmul_relu_squared(const bf16* h, const bf16* w, bf16* a, int M, in
 inline void matmul_relu_squared_backward(const bf16* dy, const bf16* w, const bf16* a, bf16* du, int M, int N, int K,
                                          cudaStream_t stream) {
   using namespace gemm_epilogue;
-  gemm<BLayout::n_major>(dy, w, du, M, N, K, ReluSquaredBackward{a}, stream);
+  gemm<BLayout::n_major>(dy, w, du, M, N, K, ReluSquaredBackward(a), stream);
 }

@@ -13,6 +13,8 @@
 //   the residual as cuBLASLt's C               --residual-add separate: the product, then an add
 //   the MLP fc with ReLU² in our GEMM          --mlp-fc cublaslt: cuBLASLt's product, then the pass
 //     (gemm_epilogue.cuh; opt-in: checked only where --mlp-fc fused asks for it)
+//   the qkv product with QK norm, RoPE and   --qkv cublaslt: cuBLASLt's product, then the two passes
+//     the value mix in our GEMM's epilogue (qkv_epilogue.cuh; opt-in: --qkv fused)
 #pragma once
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
@@ -21,6 +23,7 @@
 #include "kernels/flash_attention.cuh"
 #include "kernels/gemm_epilogue.cuh"
 #include "kernels/fp8_head.cuh"
+#include "kernels/qkv_epilogue.cuh"
 #include "kernels/muon.cuh"
 #include "kernels/residual.cuh"
 
@@ -41,6 +44,7 @@ struct KernelPaths {
   bool batched_muon = true;
   bool fused_residual_add = true;
   bool fused_mlp_fc = false;  // opt-in (--mlp-fc fused) until measured on a GPU
+  bool fused_qkv = false;     // opt-in (--qkv fused) until measured on a GPU
   // Not a fast path: which of cuBLASLt's algorithms the FP8 logits product takes (--fp8-logits-algorithm;
   // the self-check's small product has other candidates, so it checks the heuristic's first).
   int fp8_logits_candidate = 0;
@@ -81,6 +85,7 @@ inline const std::vector<FastPath>& fast_paths() {
       {&KernelPaths::fused_residual_add, "residual as cuBLASLt's C", "--residual-add separate",
        Fault::wrong_fused_residual_add},
       {&KernelPaths::fused_mlp_fc, "fused MLP fc", "--mlp-fc cublaslt", Fault::wrong_fused_mlp_fc, /*opt_in=*/true},
+      {&KernelPaths::fused_qkv, "fused qkv", "--qkv cublaslt", Fault::wrong_fused_qkv, /*opt_in=*/true},
   };
   return paths;
 }
@@ -301,6 +306,34 @@ inline double mlp_fc_error(int rows, int n, Matmul& matmul, cudaStream_t stream)
       fast_path_error(to_double(du_fused.download()), to_double(du_separate.download()), Fault::wrong_fused_mlp_fc));
 }
 
+// The qkv product with QK norm, RoPE and the value mix in our GEMM's epilogue against cuBLASLt's
+// product and the two passes ([rows, 3n] from x [rows, n], n / 128 heads, a value embedding): the
+// worst error of the raw qkv, q, k and v.
+inline double qkv_error(int rows, int n, const float* cos_sin, Matmul& matmul, cudaStream_t stream) {
+  const size_t tn = size_t(rows) * n;
+  DeviceBuffer<bf16> x(random_bf16(tn, 1.0, 48)), w(random_bf16(size_t(3) * n * n, 0.03, 49)),
+      ve(random_bf16(tn, 1.0, 50));
+  DeviceBuffer<float> sa(std::vector<float>{0.75f, -0.375f});
+  std::vector<double> outputs[2][4];  // [fused, separate][qkv, q, k, v]
+  for (int separate = 0; separate < 2; ++separate) {
+    DeviceBuffer<bf16> qkv(3 * tn), q(tn), k(tn), v(tn);
+    if (separate) {
+      matmul(x.get(), Transpose::N, w.get(), Transpose::T, qkv.get(), rows, 3 * n, n, CUDA_R_16BF, stream);
+      qk_norm_rope_forward(qkv.get(), cos_sin, q.get(), k.get(), rows, n / kRopeHeadDim, stream);
+      weighted_sum_forward(qkv.get() + 2 * n, sa.get(), ve.get(), sa.get() + 1, v.get(), rows, n, 3 * n, stream);
+    } else {
+      matmul_qkv_norm_rope(x.get(), w.get(), qkv.get(), q.get(), k.get(), v.get(), cos_sin, sa.get(), ve.get(),
+                           sa.get() + 1, rows, n, stream);
+    }
+    int i = 0;
+    for (DeviceBuffer<bf16>* out : {&qkv, &q, &k, &v}) outputs[separate][i++] = to_double(out->download());
+  }
+  double worst = 0;
+  for (int i = 0; i < 4; ++i)
+    worst = std::max(worst, fast_path_error(outputs[0][i], outputs[1][i], Fault::wrong_fused_qkv));
+  return worst;
+}
+
 // The results of checks that run together (one error each): an exception inside them (cuBLASLt
 // refusing a layout on new hardware, say) fails them all with its message, instead of leaving
 // this rank before the ranks' vote.
@@ -359,6 +392,14 @@ inline std::vector<SelfCheckResult> run_self_check(const SelfCheckShape& s, cons
   if (in_use.fused_mlp_fc)
     add_results(results, {{"fused MLP fc + ReLU²", &KernelPaths::fused_mlp_fc, kBf16PathsBound}},
                 [&] { return std::vector<double>{mlp_fc_error(s.residual_rows, d, matmul, stream)}; });
+  if (in_use.fused_qkv)  // at the model's width (768) or, narrower (tests), the next whole tile's
+    add_results(results, {{"fused qkv + QK norm + RoPE + value mix", &KernelPaths::fused_qkv, kBf16PathsBound}}, [&] {
+      const int width = (d + gemm_epilogue::kTileCols - 1) / gemm_epilogue::kTileCols * gemm_epilogue::kTileCols;
+      std::vector<float> table;
+      rope_table_host(s.residual_rows, table);
+      DeviceBuffer<float> cos_sin(table);
+      return std::vector<double>{qkv_error(s.residual_rows, width, cos_sin.get(), matmul, stream)};
+    });
   if (in_use.fused_residual_add)
     for (int k : {d, 4 * d})
       add_results(results, {{"residual as cuBLASLt's C, k = " + std::to_string(k), &KernelPaths::fused_residual_add,

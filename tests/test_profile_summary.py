@@ -63,6 +63,11 @@ class ProfileSummaryTest(unittest.TestCase):
         self.assertEqual(profile_summary.short_name("kernel", "void add_into_kernel(const __nv_bfloat16*, int)"),
                          "add_into_kernel")
         self.assertEqual(profile_summary.short_name("kernel", FLASH, full=True), FLASH)
+        ours = ("void gemm_epilogue::gemm_kernel<(gemm_epilogue::BLayout)0, gemm_epilogue::ReluSquared>(CUtensorMap_st, "
+                "CUtensorMap_st, gemm_epilogue::ReluSquared, __nv_bfloat16*, int, int, int)")
+        self.assertEqual(profile_summary.short_name("kernel", ours), "gemm_epilogue::gemm_kernel<ReluSquared>")
+        self.assertEqual(profile_summary.short_name("kernel", ours.replace("gemm_epilogue::ReluSquared", "QkvEpilogue")),
+                         "gemm_epilogue::gemm_kernel<QkvEpilogue>")
         self.assertEqual(profile_summary.short_name("memcpy", "4096 bytes, kind 1"), "[memcpy 4096 bytes]")
 
     def test_files_that_are_no_measurement_are_refused(self):

@@ -108,8 +108,10 @@ TEST_CASE("the fast paths' flags select their references; the self-check's modes
   KernelPaths fast = paths_of(parsed({}));
   for (const FastPath& p : fast_paths()) CHECK(fast.*p.member == !p.opt_in);  // opt-in paths only when asked
   CHECK(paths_of(parsed({"--mlp-fc", "fused"})).fused_mlp_fc);
+  CHECK(paths_of(parsed({"--qkv", "fused"})).fused_qkv);
   KernelPaths references = paths_of(parsed({"--attention", "reference", "--bf16-head", "--fp8-gradient=cast", "--muon",
-                                            "per-matrix", "--residual-add", "separate", "--mlp-fc", "cublaslt"}));
+                                            "per-matrix", "--residual-add", "separate", "--mlp-fc", "cublaslt", "--qkv",
+                                            "cublaslt"}));
   for (const FastPath& p : fast_paths()) CHECK(!(references.*p.member));
   CHECK_THROWS_WITH(parse_only({"--mlp-fc", "cudnn"}), "--mlp-fc = cudnn: must be cublaslt or fused");
   CHECK(fast.fp8_logits_candidate == 0 && paths_of(parsed({"--fp8-logits-algorithm", "3"})).fp8_logits_candidate == 3);

@@ -18,6 +18,7 @@
 #include "kernels/muon.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
+#include "kernels/qkv_epilogue.cuh"
 #include "kernels/rekls.cuh"
 #include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
@@ -185,6 +186,34 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
   row("mlp proj dx + relu^2 bwd: our gemm, fused epilogue",
       median_ms([&] { matmul_relu_squared_backward(dy, w_proj, a, u, T, F, D, 0); }), 0, fc_flops, peaks);
   for (void* p : {(void*)h, (void*)w_fc, (void*)u, (void*)a, (void*)dy, (void*)w_proj}) cudaFree(p);
+
+  // The attention's qkv product with QK norm, RoPE and the value mix (--qkv fused,
+  // kernels/qkv_epilogue.cuh) against cuBLASLt + the two passes, and our GEMM plain at that shape.
+  bf16 *h_attn = random_bf16(size_t(T) * D, 1.0f, 9), *w_qkv = random_bf16(size_t(3) * D * D, 0.02f, 10);
+  bf16 *qkv = device_alloc<bf16>(size_t(T) * 3 * D), *ve = random_bf16(size_t(T) * D, 1.0f, 11);
+  bf16 *q = device_alloc<bf16>(size_t(T) * D), *k = device_alloc<bf16>(size_t(T) * D), *v = device_alloc<bf16>(size_t(T) * D);
+  float* lambdas = device_alloc<float>(2);
+  CUDA_CHECK(cudaMemset(lambdas, 0, 2 * sizeof(float)));
+  std::vector<float> table;
+  rope_table_host(T, table);
+  float* cos_sin = device_alloc<float>(table.size());
+  CUDA_CHECK(cudaMemcpy(cos_sin, table.data(), table.size() * sizeof(float), cudaMemcpyHostToDevice));
+  const double qkv_flops = 2.0 * T * D * 3.0 * D;
+  row("qkv + qk norm + rope + v mix: cuBLASLt, passes", median_ms([&] {
+        matmul(h_attn, Transpose::N, w_qkv, Transpose::T, qkv, T, 3 * D, D, CUDA_R_16BF, 0);
+        qk_norm_rope_forward(qkv, cos_sin, q, k, T, D / kRopeHeadDim, 0);
+        weighted_sum_forward(qkv + 2 * D, lambdas, ve, lambdas + 1, v, T, D, 3 * D, 0);
+      }), 0, qkv_flops, peaks);
+  row("qkv: our gemm, plain", median_ms([&] {
+        using namespace gemm_epilogue;
+        gemm<BLayout::k_major>(h_attn, w_qkv, qkv, T, 3 * D, D, Identity{}, 0);
+      }), 0, qkv_flops, peaks);
+  row("qkv + qk norm + rope + v mix: our gemm, fused", median_ms([&] {
+        matmul_qkv_norm_rope(h_attn, w_qkv, qkv, q, k, v, cos_sin, lambdas, ve, lambdas + 1, T, D, 0);
+      }), 0, qkv_flops, peaks);
+  for (void* p : {(void*)h_attn, (void*)w_qkv, (void*)qkv, (void*)ve, (void*)q, (void*)k, (void*)v, (void*)lambdas,
+                  (void*)cos_sin})
+    cudaFree(p);
 }
 
 // The FP8 head of SPEC 1.5 over one micro-sequence: the T rows in chunks of 8192, as the model runs

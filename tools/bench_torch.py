@@ -219,6 +219,25 @@ def bench_compiled_pointwise(rows, repeats):
     proj_dx = torch.compile(lambda g: (g @ w_proj) * 2 * a.sqrt())
     rows.append(("mlp proj dx + relu^2 bwd: our gemm, fused epilogue", "compiled (dy @ w_proj) * 2 sqrt(a)",
                  median_ms(lambda: proj_dx(dy), repeats)))
+    # The attention's qkv product with QK norm, half-truncated RoPE and the value mix as the record
+    # compiles them, beside ours in the product's epilogue (--qkv fused).
+    w_qkv = torch.randn(3 * D, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    ve = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    freq = torch.cat([(1 / 1024) ** torch.linspace(0, 1, 32, device="cuda"), torch.zeros(32, device="cuda")])
+    theta = torch.arange(T, device="cuda", dtype=torch.float32)[:, None] * freq[None, :]
+    cos, sin = theta.cos()[:, None, :].bfloat16(), theta.sin()[:, None, :].bfloat16()
+
+    def qkv_passes(t):
+        q, k, v = (t @ w_qkv.T).view(T, 3, D // 128, 128).unbind(1)
+
+        def rotate(x):
+            x = F.rms_norm(x, (128,))
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat((x1 * cos + x2 * sin, -x1 * sin + x2 * cos), -1).type_as(x)
+        return rotate(q), rotate(k), 0.75 * v - 0.375 * ve.view_as(v)
+    qkv_compiled = torch.compile(qkv_passes)
+    rows.append(("qkv + qk norm + rope + v mix: our gemm, fused", "compiled qkv, rms_norm, rotary, v mix",
+                 median_ms(lambda: qkv_compiled(h), repeats)))
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16) * 2
     norm = torch.compile(lambda t: F.rms_norm(t, (D,)))
     rows.append(("rmsnorm fwd [49152, 768]", "compiled F.rms_norm fwd", median_ms(lambda: norm(x), repeats)))

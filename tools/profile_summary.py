@@ -9,7 +9,8 @@ overlap count once); then one table of kernel names over all ranges, per range: 
 mean us and share of the wall time, largest first, copies and memsets as rows of their own.
 Names are shortened to what tells kernels apart: the function without its return type,
 parameters and template arguments (CUTLASS's device_kernel keeps its first argument, which names
-the real kernel); --full-names keeps them whole. Exit status 1: a file that cannot be a
+the real kernel; our gemm_epilogue::gemm_kernel its last, the epilogue, which names the product);
+--full-names keeps them whole. Exit status 1: a file that cannot be a
 measurement (no range, a range never closed, records CUPTI dropped).
 
   python3 tools/profile_summary.py --ncu ncu_raw.csv
@@ -82,7 +83,15 @@ def short_name(kind, name, full=False):
     base = base[:cut]
     if "<" in base:
         head, args = base[:base.index("<")], base[base.index("<") + 1:]
-        if head.endswith("device_kernel") or head.endswith("::Kernel") or head.endswith("::Kernel2"):
+        if head.endswith("gemm_epilogue::gemm_kernel"):  # <layout, epilogue>: the epilogue names the product
+            depth, start = 0, 0
+            for i, c in enumerate(args[:-1]):
+                depth += c == "<"
+                depth -= c == ">"
+                if c == "," and depth == 0:
+                    start = i + 1
+            base = f"{head}<{args[start:-1].strip().split('::')[-1]}>"
+        elif head.endswith("device_kernel") or head.endswith("::Kernel") or head.endswith("::Kernel2"):
             depth, end = 0, len(args)
             for i, c in enumerate(args):
                 depth += c == "<"

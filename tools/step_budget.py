@@ -99,7 +99,11 @@ def ops(pairs_per_micro, distinct_tokens, micro_batches):
         ("a block's input backward: RMS norm, lambda mix, skip in one pass (12)", r"^mix_norm_backward_kernel$", 0,
          M * (SKIPS * 20 + (LAYERS - SKIPS) * 16) * td, "copy"),
         ("MLP fc and proj dx with ReLU² in our GEMM's epilogues (--mlp-fc fused; their FLOPs also in the "
-         "matmuls' floor)", r"^gemm_epilogue::gemm_kernel$", M * LAYERS * 2 * 2 * T * D * F, 0, "bf16"),
+         "matmuls' floor)", r"^gemm_epilogue::gemm_kernel<ReluSquared(Backward)?>$", M * LAYERS * 2 * 2 * T * D * F, 0,
+         "bf16"),
+        ("qkv with QK norm, RoPE and the value mix in our GEMM's epilogue (--qkv fused; its FLOPs also in the "
+         "matmuls' floor)", r"^gemm_epilogue::gemm_kernel<QkvEpilogue>$", M * len(ATTENTION_LAYERS) * 2 * T * D * 3 * D,
+         0, "bf16"),
         ("ReLU² forward", r"^relu_squared_forward_kernel$", 0, M * LAYERS * 4 * tf, "copy"),
         ("ReLU² backward", r"^relu_squared_backward_kernel$", 0, M * LAYERS * 6 * tf, "copy"),
         ("QK norm + RoPE forward", r"^qk_norm_rope_forward_kernel$", 0, M * len(ATTENTION_LAYERS) * 8 * td, "copy"),

@@ -9,6 +9,7 @@
 #include "kernels/matmul.cuh"
 #include "kernels/norms.cuh"
 #include "kernels/optimizers.cuh"
+#include "kernels/qkv_epilogue.cuh"
 #include "kernels/rope.cuh"
 #include "reference/optim.h"
 
@@ -199,6 +200,40 @@ TEST_CASE("gemm with an epilogue: A B^T, relu(A B^T)^2, A B, (A B) 2 sqrt(a) (12
                     "gemm with epilogue: A and B must start 16-byte aligned");
   CHECK_THROWS_WITH(matmul_relu_squared_backward(a_dev.get(), b_t_dev.get(), du.get() + 1, du.get(), M, N, K, 0),
                     "ReLU²'s backward reads a, which must start 4-byte aligned");
+}
+
+// The qkv product with QK norm, RoPE and the value mix in its epilogue (--qkv fused) against the
+// passes it replaces, run on our plain product's raw qkv: the raw qkv bitwise the plain product's,
+// q, k and v within bf16 rounding (the norm's sum of squares runs in another order); with the value
+// embedding and without. 3 x 3 tiles (more than the emulator's 8 SMs), every output poisoned.
+TEST_CASE("qkv with its epilogue: the raw qkv, q and k normalised and rotated, v mixed, as the passes make them") {
+  using namespace gemm_epilogue;
+  const int T = 384, d = 256, H = d / kRopeHeadDim;
+  const std::vector<double> h = rounded_to_bf16(random_normal(size_t(T) * d, 60)),
+                            w = rounded_to_bf16(random_normal(size_t(3) * d * d, 61, 1.0 / std::sqrt(double(d)))),
+                            ve = rounded_to_bf16(random_normal(size_t(T) * d, 62));
+  std::vector<float> cos_sin;
+  rope_table_host(T, cos_sin);
+  DeviceBuffer<bf16> h_dev(to_bf16(h)), w_dev(to_bf16(w)), ve_dev(to_bf16(ve)), plain(size_t(T) * 3 * d),
+      qkv(size_t(T) * 3 * d), q(size_t(T) * d), k(size_t(T) * d), v(size_t(T) * d), q_ref(size_t(T) * d),
+      k_ref(size_t(T) * d), v_ref(size_t(T) * d);
+  DeviceBuffer<float> table(cos_sin), sa0(std::vector<float>{0.75f}), sa1(std::vector<float>{-0.375f});
+  gemm<BLayout::k_major>(h_dev.get(), w_dev.get(), plain.get(), T, 3 * d, d, Identity{}, 0);
+  qk_norm_rope_forward(plain.get(), table.get(), q_ref.get(), k_ref.get(), T, H, 0);
+  for (const bf16* value_embedding : {(const bf16*)ve_dev.get(), (const bf16*)nullptr}) {
+    std::printf("  %s\n", value_embedding ? "with the value embedding" : "without");
+    for (auto* out : {&qkv, &q, &k, &v, &v_ref}) out->poison();
+    weighted_sum_forward(plain.get() + 2 * d, sa0.get(), value_embedding, sa1.get(), v_ref.get(), T, d, 3 * d, 0);
+    matmul_qkv_norm_rope(h_dev.get(), w_dev.get(), qkv.get(), q.get(), k.get(), v.get(), table.get(), sa0.get(),
+                         value_embedding, sa1.get(), T, d, 0);
+    CHECK(to_double(qkv.download()) == to_double(plain.download()));
+    CHECK_REL_ERROR(to_double(q.download()), to_double(q_ref.download()), 1e-3);
+    CHECK_REL_ERROR(to_double(k.download()), to_double(k_ref.download()), 1e-3);
+    CHECK_REL_ERROR(to_double(v.download()), to_double(v_ref.download()), 1e-3);
+  }
+  CHECK_THROWS_WITH(matmul_qkv_norm_rope(h_dev.get(), w_dev.get(), qkv.get(), q.get(), k.get(), v.get(), table.get(),
+                                         sa0.get(), nullptr, sa1.get(), 2 * T, d / 2, 0),
+                    "qkv with its epilogue: d = 128 must be a multiple of 256");
 }
 
 TEST_CASE("softcapped cross-entropy: token losses and the in-place gradient, vocab 50304 and 96") {

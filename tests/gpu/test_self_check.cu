@@ -29,6 +29,7 @@ Hyperparameters with_reference_flag(Hyperparameters h, bool KernelPaths::*path) 
   if (path == &KernelPaths::batched_muon) h.muon = "per-matrix";
   if (path == &KernelPaths::fused_residual_add) h.residual_add = "separate";
   if (path == &KernelPaths::fused_mlp_fc) h.mlp_fc = "cublaslt";
+  if (path == &KernelPaths::fused_qkv) h.qkv = "cublaslt";
   return h;
 }
 
@@ -36,6 +37,7 @@ Hyperparameters with_reference_flag(Hyperparameters h, bool KernelPaths::*path) 
 Hyperparameters with_every_fast_path() {
   Hyperparameters h;
   h.mlp_fc = "fused";
+  h.qkv = "fused";
   return h;
 }
 
