@@ -592,7 +592,11 @@ __device__ inline void wgmma_ds_k(float (&dq)[kDsRows / 8][4], const bf16* ds_ti
 
 // Adds the CTA's dq contribution to the 64 queries from token q_first of head h, in its turn of
 // `contributors`; each warpgroup holds 64 of the 128 columns (the accumulator of wgmma_ds_k).
-__device__ inline void add_dq_contribution(const float (&part)[kDsRows / 8][4], const DqPartialSums& s, bf16* dq,
+// Returns the counter the contribution must still move on (null for the last contributor, which
+// ends the sum): release_dq_turn does it after the CTA's next block barrier, by when the fp32
+// reductions have long reached L2, so that the fence waits for nothing (done here, right after
+// them, it waited out their round trip, and the whole CTA with it at the next barrier).
+__device__ inline int* add_dq_contribution(const float (&part)[kDsRows / 8][4], const DqPartialSums& s, bf16* dq,
                                            const AttentionTensors& a, int h, int q_first, int turn,
                                            int contributors) {
   int* counter = s.turns + size_t(h) * (a.T / kDsRows) + q_first / kDsRows;
@@ -622,14 +626,18 @@ __device__ inline void add_dq_contribution(const float (&part)[kDsRows / 8][4], 
         atomicAdd(sum, v);
       }
     }
-  if (!last) {
-    // Release, as CUTLASS's semaphores: the barrier orders every thread's sums before thread 0's
-    // fence, which (cumulative) makes them visible at GPU scope before the counter moves on.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(counter, 1);
-    }
+  return last ? nullptr : counter;
+}
+
+// Moves a contribution's counter on (null: nothing to do), called by every thread after a block
+// barrier that follows the contribution's sums. A release, as CUTLASS's semaphores: the barrier
+// orders every thread's sums before thread 0's fence, which (cumulative) makes them visible at GPU
+// scope before the counter moves. A CTA releases before it waits for its next turn, so the delay
+// never makes it wait on itself, and it waits only on CTAs with earlier tickets (no cycle).
+__device__ inline void release_dq_turn(int* counter) {
+  if (counter && threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1);
   }
 }
 
@@ -676,6 +684,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
   zero(dk_acc);
   zero(dv_acc);
   auto key_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
+  int* pending_turn = nullptr;  // the fused backward's last contribution, its counter not yet moved on
   for (int j = 0; j < count; ++j) {
     wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
     if (j + 1 < count) load_q(j + 1);
@@ -693,6 +702,8 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
                        [&](int n, int e) { return half * kQueries + fragment_col(n, e); }, key_of);
       if constexpr (fused_dq) {
         __syncthreads();  // both warpgroups' dq products of the previous half are done with the dS tile
+        release_dq_turn(pending_turn);  // the previous half's sums are in (that barrier)
+        pending_turn = nullptr;
 #pragma unroll
         for (int n = 0; n < N; ++n)
 #pragma unroll
@@ -707,13 +718,17 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
         float dq_part[kDsRows / 8][4];
         wgmma_ds_k(dq_part, ds_tile, k_tile, warp / 4);
         wgmma_wait_all(dv_acc, dk_acc, dq_part);
-        add_dq_contribution(dq_part, dq_sums, dq, a, h, q0 + half * kQueries, m.q_turn[kb * m.max_q + j],
-                            m.kv_count[qb]);
+        pending_turn = add_dq_contribution(dq_part, dq_sums, dq, a, h, q0 + half * kQueries,
+                                           m.q_turn[kb * m.max_q + j], m.kv_count[qb]);
       } else {
         // now, not at the next half: P and dS in flight beside the next scores would spill registers
         wgmma_wait_all(dv_acc, dk_acc);
       }
     }
+  }
+  if constexpr (fused_dq) {
+    __syncthreads();  // the last half's sums are in
+    release_dq_turn(pending_turn);
   }
   store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
   store_rows(dv, dv_acc, k0 + warp * 16, h, a.H, 1.0f, 1.0f);
