@@ -29,7 +29,8 @@ enum class Transpose { N, T };
 // `candidate`: which of cuBLASLt's heuristic answers for the product runs (0: its first, as before);
 // `bench_kernels fp8` times each, since the heuristic's first is not always the fastest (the FP8
 // head's logits: 3.74 ms against 3.40 for torch's on an H100). Fixed per run by a flag, not timed at
-// start, so that a run and its resume take the same algorithm (and the same bits).
+// start, so that a run and its resume with the same flags take the same algorithm (and the same
+// bits), as they take the same kernels.
 // A strided batch: `count` products, the i-th at A + i stride_a, B + i stride_b, C + i stride_c
 // (elements).
 struct MatmulBatch {
@@ -152,11 +153,13 @@ class Matmul {
                                                 results.data(), &found));
     cublasLtMatmulPreferenceDestroy(pref);
     const std::string product = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) + " matmul";
-    if (found == 0) throw std::runtime_error("cuBLASLt has no algorithm for a " + product);
-    if (found <= candidate)
+    if (found <= candidate) {
+      destroy(p);
+      if (found == 0) throw std::runtime_error("cuBLASLt has no algorithm for a " + product);
       throw std::invalid_argument("cuBLASLt offers " + std::to_string(found) + " algorithm" + (found > 1 ? "s" : "") +
                                   " for a " + product + ": candidate " + std::to_string(candidate) +
                                   " is not one (they count from 0)");
+    }
     p.algo = results[candidate].algo;
     return plans_.emplace(key, p).first->second;
   }

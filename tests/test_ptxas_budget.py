@@ -18,26 +18,32 @@ import tempfile
 import unittest
 
 ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+PROPERTIES = re.compile(r"Function properties for (\S+)")
 SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 USED = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?")
 
 
 def kernels_and_problems(ptxas_output):
-    """({kernel: [registers, spill stores, spill loads, static smem]}, [problem lines])."""
-    kernels, problems, current = {}, [], None
+    """({kernel: [registers, spill stores, spill loads, static smem]}, [problem lines]). A spill is
+    a problem in any function ptxas reports (a kernel or a device function it did not inline)."""
+    kernels, problems, entry, function = {}, [], None, None
     for line in ptxas_output.splitlines():
         if m := ENTRY.search(line):
-            current = m.group(1)
-            kernels[current] = [0, 0, 0, 0]
+            entry = m.group(1)
+            kernels[entry] = [0, 0, 0, 0]
+        elif m := PROPERTIES.search(line):
+            function = m.group(1)
         elif "warning" in line.lower():
             problems.append(line.strip())
-        elif current and (m := SPILLS.search(line)):
-            kernels[current][1:3] = [int(m.group(2)), int(m.group(3))]
-        elif current and (m := USED.search(line)):
-            kernels[current][0] = int(m.group(1))
-            kernels[current][3] = int(m.group(2) or 0)
-    problems += [f"{name}: {stores} bytes spill stores, {loads} bytes spill loads"
-                 for name, (_, stores, loads, _) in kernels.items() if stores or loads]
+        elif function and (m := SPILLS.search(line)):
+            stores, loads = int(m.group(2)), int(m.group(3))
+            if function in kernels:
+                kernels[function][1:3] = [stores, loads]
+            if stores or loads:
+                problems.append(f"{function}: {stores} bytes spill stores, {loads} bytes spill loads")
+        elif entry and (m := USED.search(line)):
+            kernels[entry][0] = int(m.group(1))
+            kernels[entry][3] = int(m.group(2) or 0)
     return kernels, problems
 
 
@@ -112,6 +118,15 @@ class ParserTest(unittest.TestCase):
                              "44 bytes spill stores, 44 bytes spill loads\nptxas info    : Used 12")
         _, problems = kernels_and_problems(text)
         self.assertEqual(problems, ["_Z4copyPf: 44 bytes spill stores, 44 bytes spill loads"])
+
+    def test_a_device_function_spill_is_its_own(self):
+        text = CLEAN.replace("ptxas info    : Compiling entry function '_Z4copyPf'",
+                             "ptxas info    : Function properties for _Z6helperv\n"
+                             "    8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
+                             "ptxas info    : Compiling entry function '_Z4copyPf'")
+        kernels, problems = kernels_and_problems(text)
+        self.assertEqual(kernels["_Z3addPf"], [168, 0, 0, 128])
+        self.assertEqual(problems, ["_Z6helperv: 8 bytes spill stores, 8 bytes spill loads"])
 
     def test_a_warning_is_a_problem(self):
         warning = ("ptxas warning : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "

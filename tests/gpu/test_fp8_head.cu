@@ -368,7 +368,8 @@ TEST_CASE("forward, dx and accumulated dW against fp64 sums over the same FP8 op
 }
 
 // Each of cuBLASLt's answers for the logits product (--fp8-logits-algorithm) against fp64 sums over
-// the same FP8 operands, until the heuristic offers no more (refused, naming the count).
+// the same FP8 operands, until the heuristic offers no more (refused, naming the count) or the
+// Matmul's kMaxCandidates are all checked.
 void check_logits_candidates(int rows, int V, int d, int sample_rows, uint64_t seed) {
   Fp8Head head(rows, V, d);
   const Fp8HeadScales& s = head.scales();
@@ -383,7 +384,7 @@ void check_logits_candidates(int rows, int V, int d, int sample_rows, uint64_t s
                   decode_rows(download_bytes(op.w, size_t(V) * d), d, spread(V, V), kE4M3), d, double(s.x) * s.w);
   Matmul matmul;
   int candidate = 0;
-  for (;; ++candidate) {
+  for (; candidate < Matmul::kMaxCandidates; ++candidate) {
     head.set_logits_candidate(candidate);
     logits.poison();
     try {

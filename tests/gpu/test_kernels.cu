@@ -205,10 +205,13 @@ TEST_CASE("gemm with an epilogue: A B^T, relu(A B^T)^2, A B, (A B) 2 sqrt(a) (12
 // The qkv product with QK norm, RoPE and the value mix in its epilogue (--qkv fused) against the
 // passes it replaces, run on our plain product's raw qkv: the raw qkv bitwise the plain product's,
 // q, k and v within bf16 rounding (the norm's sum of squares runs in another order); with the value
-// embedding and without. 3 x 3 tiles (more than the emulator's 8 SMs), every output poisoned.
-TEST_CASE("qkv with its epilogue: the raw qkv, q and k normalised and rotated, v mixed, as the passes make them") {
+// embedding and without. d = 256 (a tile each of q, k and v: 9 tiles, more than the emulator's 8
+// SMs) and the record's 768 (tiles that start 256 and 512 columns into q, k or v), every output
+// poisoned.
+void check_qkv_epilogue(int T, int d) {
   using namespace gemm_epilogue;
-  const int T = 384, d = 256, H = d / kRopeHeadDim;
+  std::printf("  T = %d, d = %d\n", T, d);
+  const int H = d / kRopeHeadDim;
   const std::vector<double> h = rounded_to_bf16(random_normal(size_t(T) * d, 60)),
                             w = rounded_to_bf16(random_normal(size_t(3) * d * d, 61, 1.0 / std::sqrt(double(d)))),
                             ve = rounded_to_bf16(random_normal(size_t(T) * d, 62));
@@ -231,8 +234,17 @@ TEST_CASE("qkv with its epilogue: the raw qkv, q and k normalised and rotated, v
     CHECK_REL_ERROR(to_double(k.download()), to_double(k_ref.download()), 1e-3);
     CHECK_REL_ERROR(to_double(v.download()), to_double(v_ref.download()), 1e-3);
   }
-  CHECK_THROWS_WITH(matmul_qkv_norm_rope(h_dev.get(), w_dev.get(), qkv.get(), q.get(), k.get(), v.get(), table.get(),
-                                         sa0.get(), nullptr, sa1.get(), 2 * T, d / 2, 0),
+}
+
+TEST_CASE("qkv with its epilogue: the raw qkv, q and k normalised and rotated, v mixed, as the passes make them") {
+  check_qkv_epilogue(384, 256);
+  check_qkv_epilogue(128, 768);
+  const int T = 256, d = 256;
+  DeviceBuffer<bf16> h(size_t(T) * d), w(size_t(3) * d * d), qkv(size_t(T) * 3 * d), q(size_t(T) * d),
+      k(size_t(T) * d), v(size_t(T) * d);
+  DeviceBuffer<float> table(size_t(T) * kRopeHeadDim), sa0(1), sa1(1);
+  CHECK_THROWS_WITH(matmul_qkv_norm_rope(h.get(), w.get(), qkv.get(), q.get(), k.get(), v.get(), table.get(), sa0.get(),
+                                         nullptr, sa1.get(), 2 * T, d / 2, 0),
                     "qkv with its epilogue: d = 128 must be a multiple of 256");
 }
 
