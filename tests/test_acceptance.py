@@ -184,7 +184,8 @@ class AcceptanceTest(unittest.TestCase):
         self.root = tempfile.mkdtemp(prefix="acceptance_")
         self.addCleanup(shutil.rmtree, self.root)
         self.repo = os.path.join(self.root, "repo")
-        for tool in ("acceptance.sh", "compare_checkpoints.py", "profile_summary.py", "timeline_summary.py"):
+        for tool in ("acceptance.sh", "compare_checkpoints.py", "profile_summary.py", "timeline_summary.py",
+                     "stage_build.sh"):
             os.makedirs(os.path.join(self.repo, "tools"), exist_ok=True)
             shutil.copy(os.path.join(ROOT, "tools", tool), os.path.join(self.repo, "tools", tool))
         for path, text in STAND_INS.items():
@@ -310,6 +311,25 @@ class AcceptanceTest(unittest.TestCase):
         self.assertEqual(status, 1)
         self.assertIn("SPEEDRUN_PREBUILT: build/ has no bench_kernels.", report)
         self.assertIn("**bench: FAILED**", report)
+
+    def test_a_build_staged_for_the_device_is_put_back_where_build_has_none(self):
+        build = os.path.join(self.repo, "build")
+        for path in ("tests/test_kernels", "tests/CTestTestfile.cmake", "CMakeFiles/x.dir/a.o", "tests/emulator/e",
+                     "tests/CMakeFiles/t.dir/t.cu.o", "generated/trainer_source.inc", "frozen/train_gpt.cu"):
+            os.makedirs(os.path.dirname(os.path.join(build, path)), exist_ok=True)
+            open(os.path.join(build, path), "w").close()
+        result = subprocess.run(["bash", os.path.join(self.repo, "tools", "stage_build.sh")], capture_output=True,
+                                text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("of the carry's 64", result.stdout)
+        staged = sorted(os.path.relpath(os.path.join(d, f), os.path.join(self.repo, ".carry", "build"))
+                        for d, _, files in os.walk(os.path.join(self.repo, ".carry", "build")) for f in files)
+        self.assertEqual(staged, ["bench_kernels", "tests/CTestTestfile.cmake", "tests/test_kernels", "train_gpt"])
+        shutil.rmtree(build)
+        status, report, output = self.acceptance("tests", "self-check", gpus=1, SPEEDRUN_PREBUILT="1")
+        self.assertEqual(status, 0, output)
+        self.assertTrue(os.access(os.path.join(build, "train_gpt"), os.X_OK))
+        self.assertIn("SPEEDRUN_PREBUILT: build/ used as it is", report)
 
     def test_a_trainer_without_the_self_check_is_reported_as_missing(self):
         status, report, _ = self.acceptance("self-check", gpus=1, FAKE_SELF_CHECK="unknown")
@@ -440,7 +460,8 @@ class AcceptanceTest(unittest.TestCase):
 
     @unittest.skipUnless(shutil.which("shellcheck"), "shellcheck is not installed")
     def test_the_script_is_shellcheck_clean(self):
-        result = subprocess.run(["shellcheck", SCRIPT], capture_output=True, text=True)
+        result = subprocess.run(["shellcheck", SCRIPT, os.path.join(ROOT, "tools", "stage_build.sh")],
+                                capture_output=True, text=True)
         self.assertEqual(result.returncode, 0, result.stdout)
 
 

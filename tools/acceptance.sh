@@ -55,6 +55,10 @@ logs=${OUT:-${report%.md}}
 mkdir -p "$(dirname "$report")" "$logs"
 work=$(mktemp -d)
 # run.sh builds the trainer unless it is told which to run.
+# A build staged by tools/stage_build.sh (a carry of the device tool) goes where the phases look.
+if [[ -n ${SPEEDRUN_PREBUILT:-} && ! -x build/train_gpt && -x .carry/build/train_gpt ]]; then
+  mkdir -p build && cp -a .carry/build/. build/
+fi
 [[ -n ${SPEEDRUN_PREBUILT:-} ]] && export SPEEDRUN_TRAINER=$PWD/build/train_gpt
 trainer=${SPEEDRUN_TRAINER:-build/train_gpt}
 trap 'rm -rf "$work"' EXIT

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Stages what a GPU machine runs from build/ into .carry/build/ (ignored by git), for the device
+# tool's carry, which takes 64 MiB in all: with the corpus (tools/corpus_run.sh stage, ~41 MB) there
+# is room for the binaries, not for build/ whole. Kept: the trainer, bench_kernels, the kernel
+# profiler, the test binaries, CTest's files and the scripts beside them; left out: object files,
+# CMake's own files, the emulated tests (CPU only), the frozen trainers' builds and the generated
+# sources (compiled in already). On the GPU machine, with SPEEDRUN_PREBUILT=1, tools/acceptance.sh and
+# tools/corpus_run.sh copy .carry/build/ into build/ where build/ has no trainer (the same toolkit at
+# the same paths: CTest's files name them). Usage: tools/stage_build.sh, after cmake --build build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[[ -x build/train_gpt ]] || { echo "error: build/train_gpt is missing: build first (cmake --build build)" >&2; exit 1; }
+rm -rf .carry/build
+mkdir -p .carry/build
+(cd build && find . \( -name CMakeFiles -o -path ./tests/emulator -o -path ./tests/frozen_trainer_alone \
+                       -o -path ./frozen -o -path ./generated -o -path ./Testing \) -prune \
+                    -o -type f ! -name '*.o' ! -name '*.d' ! -name '.ninja_*' -print) |
+  while read -r f; do
+    mkdir -p ".carry/build/$(dirname "$f")"
+    cp -p "build/$f" ".carry/build/$f"
+  done
+limit=$((64 * 1024 * 1024))
+bytes=$(du -cb .carry | tail -1 | cut -f1)
+echo ".carry/build: $(du -sh .carry/build | cut -f1); .carry in all: $((bytes / 1024 / 1024)) MiB of the carry's 64"
+if ((bytes > limit)); then
+  echo "error: .carry is over the device tool's 64 MiB: leave something out" >&2
+  exit 1
+fi
