@@ -1287,18 +1287,21 @@ class GPT {
     for (int i = c_.num_layers - 1; i >= 0; --i) {
       TimelineSpan span(timeline_, "compute", "backward block " + std::to_string(i), stream_);
       LayerActivations& l = a.layers[i];
-      if (i < c_.num_skips()) add_into(a.dskip[i], a.dx, td(), stream_);
       mlp_backward_layer(i);
       if (c_.has_attention[i]) attention_backward_layer(i, plan);
       // dh holds the gradient of the norm of x_mixed = lambda0 x_in + lambda1 x0, x_in = previous
-      // output + w skip from the skips on (mix_norm_forward): back through all three in one pass
+      // output + w skip from the skips on (mix_norm_forward): back through all three in one pass,
+      // which also adds, where the previous layer is a skip's source, the gradient its output got
+      // through the skip (written by a later layer's pass, or by this one: layer num_skips's source
+      // is layer num_skips - 1)
       const int l0 = c_.block_lambda_index(i, 0), l1 = c_.block_lambda_index(i, 1);
       const bool skip = i >= c_.num_skips();
       const int from = c_.num_layers - 1 - i, w = skip ? c_.skip_weight_index(i - c_.num_skips()) : 0;
+      const bf16* through_skip = i > 0 && i - 1 < c_.num_skips() ? a.dskip[i - 1] : nullptr;
       mix_norm_backward(l.x_mixed, a.dh, a.dx, l.x_in, a.x0, scalar(l0), scalar_grad(l0), scalar(l1), scalar_grad(l1),
                         a.dx0, skip ? a.layers[from].x_out : nullptr, skip ? scalar(w) : nullptr,
-                        skip ? scalar_grad(w) : nullptr, skip ? a.dskip[from] : nullptr, T_, d, a.reduction_scratch,
-                        stream_);
+                        skip ? scalar_grad(w) : nullptr, skip ? a.dskip[from] : nullptr, through_skip, T_, d,
+                        a.reduction_scratch, stream_);
       gradients_done_(i);
     }
     {

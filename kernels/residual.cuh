@@ -208,8 +208,8 @@ inline void weighted_sum_backward(const bf16* dout, const bf16* x, const float* 
 // Scalar sums: per-block partials (rows to warps fixed by the grid), then added in block order.
 __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf16* dx, const bf16* x_in,
                                          const bf16* x0, const float* l0, const float* l1, bf16* dx0,
-                                         const bf16* skip, const float* w, bf16* dskip, float* partial, int T, int d,
-                                         float eps) {
+                                         const bf16* skip, const float* w, bf16* dskip, const bf16* dx_plus,
+                                         float* partial, int T, int d, float eps) {
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const float lambda0 = *l0, lambda1 = *l1, skip_weight = skip ? *w : 0.0f;
   float dot_in = 0, dot_x0 = 0, dot_skip = 0;
@@ -237,12 +237,20 @@ __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf
       store8(dx0 + base + col, other);
 #pragma unroll
       for (int i = 0; i < 8; ++i) g[i] = round_to_bf16(lambda0 * g[i]);
-      store8(dx + base + col, g);
-      if (!skip) continue;
-      load8(skip + base + col, other);
+      float plus[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (skip) {
+        load8(skip + base + col, other);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) dot_skip += g[i] * other[i], other[i] = skip_weight * g[i];
-      store8(dskip + base + col, other);
+        for (int i = 0; i < 8; ++i) dot_skip += g[i] * other[i], other[i] = skip_weight * g[i];
+        store8(dskip + base + col, other);
+        if (dx_plus == dskip)  // the skip's gradient is this pass's own: as stored, in bf16
+#pragma unroll
+          for (int i = 0; i < 8; ++i) plus[i] = round_to_bf16(other[i]);
+      }
+      if (dx_plus && dx_plus != dskip) load8(dx_plus + base + col, plus);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) g[i] += plus[i];
+      store8(dx + base + col, g);
     }
   }
   dot_in = block_sum(dot_in);
@@ -255,18 +263,22 @@ __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf
   }
 }
 
-// [T, d] each; skip, w, dw, dskip all null when the block has no skip. scratch:
+// [T, d] each; skip, w, dw, dskip all null when the block has no skip. dx_plus (or null) is added to
+// dx as it is written: the gradient the previous layer's output got through a skip (may be this
+// pass's own dskip, as stored in bf16), so that no separate pass adds it. scratch:
 // kScalarReductionScratchFloats floats.
 inline void mix_norm_backward(const bf16* x_mixed, const bf16* dh, bf16* dx, const bf16* x_in, const bf16* x0,
                               const float* l0, float* dl0, const float* l1, float* dl1, bf16* dx0, const bf16* skip,
-                              const float* w, float* dw, bf16* dskip, int T, int d, float* scratch,
+                              const float* w, float* dw, bf16* dskip, const bf16* dx_plus, int T, int d, float* scratch,
                               cudaStream_t stream, float eps = kRmsEps) {
   check_norm_width(d);
   if (!skip != !w || !skip != !dw || !skip != !dskip)
     throw std::invalid_argument("mix_norm_backward: skip, w, dw and dskip go together");
+  if (dx_plus && (dx_plus == dx || dx_plus == dx0))
+    throw std::invalid_argument("mix_norm_backward: dx_plus may be dskip, not an output it would read as written");
   const int warps = 8, blocks = std::min(kScalarReductionBlocks, (T + warps - 1) / warps);
   mix_norm_backward_kernel<<<blocks, warps * 32, 0, stream>>>(x_mixed, dh, dx, x_in, x0, l0, l1, dx0, skip, w, dskip,
-                                                               scratch, T, d, eps);
+                                                               dx_plus, scratch, T, d, eps);
   CUDA_CHECK_LAUNCH();
   add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(scratch, blocks, dl0, dl1, dw);
   CUDA_CHECK_LAUNCH();

@@ -96,8 +96,9 @@ def ops(pairs_per_micro, distinct_tokens, micro_batches):
         ("RMS norm forward (13 a micro-sequence)", r"^rmsnorm_forward_kernel$", 0, M * 13 * 4 * td, "copy"),
         ("RMS norm backward, accumulating (13 a micro-sequence)", r"^rmsnorm_backward_kernel$", 0, M * 13 * 8 * td,
          "copy"),
-        ("a block's input backward: RMS norm, lambda mix, skip in one pass (12)", r"^mix_norm_backward_kernel$", 0,
-         M * (SKIPS * 20 + (LAYERS - SKIPS) * 16) * td, "copy"),
+        ("a block's input backward: RMS norm, lambda mix, skip in one pass (12; layers 1 to SKIPS - 1 also read "
+         "the gradient through a skip)", r"^mix_norm_backward_kernel$", 0,
+         M * (SKIPS * 20 + (LAYERS - SKIPS) * 16 + (SKIPS - 1) * 2) * td, "copy"),
         ("MLP fc and proj dx with ReLU² in our GEMM's epilogues (--mlp-fc fused; their FLOPs also in the "
          "matmuls' floor)", r"^gemm_epilogue::gemm_kernel<ReluSquared(Backward)?>$", M * LAYERS * 2 * 2 * T * D * F, 0,
          "bf16"),
@@ -112,7 +113,7 @@ def ops(pairs_per_micro, distinct_tokens, micro_batches):
         ("value mixes forward (11)", r"^weighted_sum_forward_kernel$", 0, M * 11 * 6 * td, "copy"),
         ("value mixes backward (11; the scalar sums of all mixes)", r"^(weighted_sum_backward|add_scalar_gradients)",
          0, M * 11 * 12 * td, "copy"),
-        ("add_into (skips, x0)", r"^add_into_kernel$", 0, M * 7 * 6 * td, "copy"),
+        ("add_into (x0's two gradients)", r"^add_into_kernel$", 0, M * 6 * td, "copy"),
         ("embedding forward", r"^embedding_forward_kernel$", 0, M * EMBED_TABLES * 4 * td, "copy"),
         ("embedding backward (7 a micro-sequence)", r"^embedding_(backward|segment|split)_kernel$", 0,
          M * 7 * (2 * td + 8 * distinct_tokens * D), "copy"),

@@ -190,21 +190,29 @@ void check_mix_norm(int T, int d, bool with_skip, uint64_t seed) {
 // Its backward against double loops that round where the separate passes store: g = bf16(dx +
 // rmsnorm'(x_mixed) dh), dl0 += g . x_in, dl1 += g . x0, dx0 = bf16(dx0 + l1 g), dx = bf16(l0 g); with
 // the skip dw += dx . skip, dskip = bf16(w dx). Scalar gradients accumulate onto prior values.
-void check_mix_norm_backward(int T, int d, bool with_skip, uint64_t seed) {
-  std::printf("  mix + norm backward T=%d d=%d %s\n", T, d, with_skip ? "with the skip" : "without");
+// plus: what is added to dx as it is written: nothing, another buffer's gradient, or (with the
+// skip) the pass's own dskip.
+enum class DxPlus { none, other, own_dskip };
+
+void check_mix_norm_backward(int T, int d, bool with_skip, uint64_t seed, DxPlus plus = DxPlus::none) {
+  std::printf("  mix + norm backward T=%d d=%d %s%s\n", T, d, with_skip ? "with the skip" : "without",
+              plus == DxPlus::other ? ", plus another gradient" : plus == DxPlus::own_dskip ? ", plus its own dskip" : "");
   const size_t n = size_t(T) * d;
   auto random_bf16 = [&](uint64_t s) { return rounded_to_bf16(random_normal(n, seed + s)); };
   const std::vector<double> x_mixed = random_bf16(0), dh = random_bf16(1), x_in = random_bf16(2), x0 = random_bf16(3),
-                            skip = random_bf16(4), dx_in = random_bf16(5), dx0_in = random_bf16(6);
+                            skip = random_bf16(4), dx_in = random_bf16(5), dx0_in = random_bf16(6),
+                            other = random_bf16(7);
   const float l0 = 0.9f, l1 = 0.35f, w = 0.625f;
   DeviceBuffer<bf16> dx_mixed(to_bf16(x_mixed)), ddh(to_bf16(dh)), dx(to_bf16(dx_in)), dx_in_(to_bf16(x_in)),
-      dx0_(to_bf16(x0)), dx0(to_bf16(dx0_in)), dskip_src(to_bf16(skip)), dskip(n);
+      dx0_(to_bf16(x0)), dx0(to_bf16(dx0_in)), dskip_src(to_bf16(skip)), dskip(n), dother(to_bf16(other));
   dskip.poison();
   DeviceBuffer<float> scalars(std::vector<float>{l0, l1, w, 0.25f, -0.5f, 0.75f}), scratch(kScalarReductionScratchFloats);
   float* s = scalars.get();
   mix_norm_backward(dx_mixed.get(), ddh.get(), dx.get(), dx_in_.get(), dx0_.get(), s, s + 3, s + 1, s + 4, dx0.get(),
                     with_skip ? dskip_src.get() : nullptr, with_skip ? s + 2 : nullptr, with_skip ? s + 5 : nullptr,
-                    with_skip ? dskip.get() : nullptr, T, d, scratch.get(), 0);
+                    with_skip ? dskip.get() : nullptr,
+                    plus == DxPlus::other ? dother.get() : plus == DxPlus::own_dskip ? dskip.get() : nullptr, T, d,
+                    scratch.get(), 0);
   std::vector<double> dx_ref(n), dx0_ref(n), dskip_ref(n), scalar_ref{0.25, -0.5, 0.75};
   for (int t = 0; t < T; ++t) {
     const size_t row = size_t(t) * d;
@@ -220,6 +228,8 @@ void check_mix_norm_backward(int T, int d, bool with_skip, uint64_t seed) {
       dx_ref[i] = rounded_to_bf16(std::vector<double>{double(l0) * g})[0];
       scalar_ref[2] += with_skip ? dx_ref[i] * skip[i] : 0.0;
       dskip_ref[i] = double(w) * dx_ref[i];
+      if (plus == DxPlus::other) dx_ref[i] += other[i];
+      if (plus == DxPlus::own_dskip) dx_ref[i] += rounded_to_bf16(std::vector<double>{dskip_ref[i]})[0];
     }
   }
   std::vector<double> dx_gpu = to_double(dx.download()), dx0_gpu = to_double(dx0.download());
@@ -251,6 +261,16 @@ TEST_CASE("the backward of a block's input in one pass, scalar gradients in a fi
   check_mix_norm_backward(1000, 768, false, 80);
   check_mix_norm_backward(37, 200, true, 90);
   check_mix_norm_backward(5000, 768, true, 100);  // more rows than the grid's warps
+  // the gradient through a skip added as dx is written (it was a separate add_into pass)
+  check_mix_norm_backward(1000, 768, false, 110, DxPlus::other);
+  check_mix_norm_backward(1000, 768, true, 120, DxPlus::other);
+  check_mix_norm_backward(1000, 768, true, 130, DxPlus::own_dskip);
+  DeviceBuffer<bf16> x(768);
+  DeviceBuffer<float> s(std::vector<float>(8, 1.0f));
+  CHECK_THROWS_WITH(mix_norm_backward(x.get(), x.get(), x.get(), x.get(), x.get(), s.get(), s.get() + 1, s.get(),
+                                      s.get() + 2, x.get(), nullptr, nullptr, nullptr, nullptr, x.get(), 1, 768,
+                                      s.get(), 0),
+                    "mix_norm_backward: dx_plus may be dskip, not an output it would read as written");
 }
 
 TEST_CASE("add_into: dst += src") {
