@@ -1159,6 +1159,22 @@ class GPT {
   // itself is step's fp8_head): the fast ones unless a flag or the self-check replaced them.
   void set_paths(const KernelPaths& paths) { paths_ = paths; }
 
+  // Plans the FP8 head's logits product for the chunks a micro-sequence of T tokens makes (the
+  // paths' cuBLASLt candidate): a candidate cuBLASLt does not offer at one of those shapes is refused
+  // now, naming the flag, not at the first step.
+  void plan_fp8_head(Activations& acts, int T) {
+    if (!paths_.fp8_head || !acts.fp8_head) return;
+    acts.fp8_head->set_logits_candidate(paths_.fp8_logits_candidate);
+    for (int rows : {std::min(T, kHeadChunkRows), T % kHeadChunkRows}) {
+      if (rows == 0) continue;
+      try {
+        acts.fp8_head->plan_logits_product(acts.logits, rows, matmul_);
+      } catch (const std::invalid_argument& e) {
+        throw FlagError("--fp8-logits-algorithm " + std::to_string(paths_.fp8_logits_candidate) + ": " + e.what());
+      }
+    }
+  }
+
   ParameterStore params;
 
  private:
@@ -2447,6 +2463,7 @@ class TrainingRun {
     self_check.stop_if_strict(h);
     paths_ = self_check.paths;
     model_.set_paths(paths_);
+    model_.plan_fp8_head(train_, h.seq_len);
     if (!paths_.fused_mlp_fc)
       for (Activations* acts : {&train_, &eval_}) acts->allocate_mlp_pre_activations(config_, memory_);
     optimizers_.set_batched_muon(paths_.batched_muon);

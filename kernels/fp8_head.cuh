@@ -225,9 +225,12 @@ class Fp8Head {
     gradient_ready_ = false;
   }
   void logits_product(bf16* logits, Matmul& matmul, cudaStream_t stream) {  // logits [rows, V]
-    MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, device_scale(kX), device_scale(kW), /*fast_accum=*/true};
-    o.candidate = logits_candidate_;
-    matmul(x_f8_, Transpose::N, w_f8_, Transpose::T, logits, rows_, V_, d_, CUDA_R_16BF, o, stream);
+    matmul(x_f8_, Transpose::N, w_f8_, Transpose::T, logits, rows_, V_, d_, CUDA_R_16BF, logits_options(), stream);
+  }
+  // The logits product's plan for `rows` rows into `logits`, made (in `matmul`) but not run: a
+  // candidate cuBLASLt does not offer at that shape is refused before any product depends on it.
+  void plan_logits_product(const bf16* logits, int rows, Matmul& matmul) const {
+    matmul.plan_only(x_f8_, Transpose::N, w_f8_, Transpose::T, logits, rows, V_, d_, CUDA_R_16BF, logits_options());
   }
   void grad_input_product(bf16* dx, Matmul& matmul, cudaStream_t stream) {  // dx [rows, d] = g [rows, V] w [V, d]
     MatmulOptions o{CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, device_scale(kGrad), device_scale(kW), false};
@@ -239,6 +242,11 @@ class Fp8Head {
   }
 
  private:
+  MatmulOptions logits_options() const {
+    MatmulOptions o{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, device_scale(kX), device_scale(kW), /*fast_accum=*/true};
+    o.candidate = logits_candidate_;
+    return o;
+  }
   enum { kX, kW, kGrad };  // the scales' slots
   // Each scale in a 256-byte slot of its own: cuBLASLt on an H200 refused (not supported) every FP8
   // product whose scale pointers were 4 or 8 bytes apart (docs/PERF.md, 2026-11-26).

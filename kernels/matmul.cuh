@@ -78,6 +78,25 @@ class Matmul {
   void operator()(const void* A, Transpose ta, const void* B, Transpose tb, void* C, int M, int N, int K,
                   cudaDataType_t c_type, const MatmulOptions& o, cudaStream_t stream, float alpha = 1.0f,
                   float beta = 0.0f) {
+    const Plan& plan = prepare(A, ta, B, tb, C, M, N, K, c_type, o);
+    const void* addend = o.addend ? o.addend : C;
+    if (is_fp8(o.a_type)) set_scales(plan, o);  // the plan may have been made with other scale buffers
+    // cuBLASLt is column-major: compute C^T[N, M] = op(B)^T op(A)^T, i.e. B first.
+    CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, B, plan.b, A, plan.a, &beta, addend, plan.c, C, plan.c,
+                                &plan.algo, workspace_, workspace_bytes_, stream));
+  }
+
+  // The plan of that product, made now (and kept) but not run: what the product would refuse (a
+  // layout, a candidate cuBLASLt does not offer) is refused here, before a run depends on it.
+  void plan_only(const void* A, Transpose ta, const void* B, Transpose tb, const void* C, int M, int N, int K,
+                 cudaDataType_t c_type, const MatmulOptions& o) {
+    prepare(A, ta, B, tb, C, M, N, K, c_type, o);
+  }
+
+ private:
+  struct Plan;
+  const Plan& prepare(const void* A, Transpose ta, const void* B, Transpose tb, const void* C, int M, int N, int K,
+                      cudaDataType_t c_type, const MatmulOptions& o) {
     if (!is_fp8(o.a_type) && (o.a_scale || o.b_scale)) throw std::invalid_argument("scales are for FP8 operands");
     check_scale_alignment(o);
     const void* addend = o.addend ? o.addend : C;
@@ -87,16 +106,11 @@ class Matmul {
     if (o.candidate < 0 || o.candidate >= kMaxCandidates)
       throw std::invalid_argument("matmul: candidate " + std::to_string(o.candidate) + " is not in [0, " +
                                   std::to_string(kMaxCandidates) + ")");
-    const Plan& plan = plan_for({M, N, K, ta == Transpose::T, tb == Transpose::T, c_type, o.a_type, o.b_type,
-                                 o.fast_accum, b.count, b.stride_a, b.stride_b, b.stride_c, alignments, o.candidate},
-                                o);
-    if (is_fp8(o.a_type)) set_scales(plan, o);  // the plan may have been made with other scale buffers
-    // cuBLASLt is column-major: compute C^T[N, M] = op(B)^T op(A)^T, i.e. B first.
-    CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, B, plan.b, A, plan.a, &beta, addend, plan.c, C, plan.c,
-                                &plan.algo, workspace_, workspace_bytes_, stream));
+    return plan_for({M, N, K, ta == Transpose::T, tb == Transpose::T, c_type, o.a_type, o.b_type, o.fast_accum,
+                     b.count, b.stride_a, b.stride_b, b.stride_c, alignments, o.candidate},
+                    o);
   }
 
- private:
   // Bytes to which every batch of A, B, the addend and C is aligned, at most 256: cuBLASLt's heuristic
   // assumes 256 unless told less, and may pick an algorithm that fails on a less aligned slice.
   using Alignments = std::array<uint32_t, 4>;

@@ -186,6 +186,24 @@ TEST_CASE("the model's FP8 logits product takes the run's cuBLASLt candidate (--
   KernelPaths paths;
   paths.fp8_logits_candidate = Matmul::kMaxCandidates;  // refused by the product, wherever it runs
   CHECK_THROWS_WITH(gradients_on(paths), "matmul: candidate 16 is not in [0, 16)");
+  // A run plans the product after the self-check: a candidate cuBLASLt lacks is a bad flag then
+  // (the emulated heuristic offers 4; a GPU's may offer all 16, then candidate 15 plans)
+  const int T = 256;
+  DeviceMemory memory;
+  GPT model(gpu_config(), memory);
+  Activations acts(model.config(), T, /*backward=*/true, memory, /*fp8_head=*/true);
+  for (int candidate : {0, Matmul::kMaxCandidates - 1}) {
+    paths.fp8_logits_candidate = candidate;
+    model.set_paths(paths);
+    try {
+      model.plan_fp8_head(acts, T);
+      CHECK(!kEmulated || candidate < 4);
+    } catch (const FlagError& e) {
+      std::printf("  %s\n", e.what());
+      CHECK(candidate > 0);
+      CHECK(std::string(e.what()).find("--fp8-logits-algorithm 15: cuBLASLt offers ") == 0);
+    }
+  }
 }
 
 TEST_CASE("the self-check at the record's shapes passes on this GPU") {
