@@ -1322,7 +1322,6 @@ class GPT {
     }
     {
       TimelineSpan span(timeline_, "compute", "backward embedding", stream_);
-      add_into(a.dx, a.dx0, td(), stream_);
       rmsnorm_backward(a.embedded, a.dx0, a.dh, T_, d, /*accumulate=*/false, stream_);
       embedding_backward(*plan.embedding_rows, a.dh, params.embedding_grad(-1), nullptr, d, a.embedding_scratch, stream_);
     }

@@ -231,10 +231,10 @@ __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf
       load8(x0 + base + col, other);
 #pragma unroll
       for (int i = 0; i < 8; ++i) dot_x0 += g[i] * other[i];
-      load8(dx0 + base + col, other);
+      float dx0_out[8];
+      load8(dx0 + base + col, dx0_out);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) other[i] += lambda1 * g[i];
-      store8(dx0 + base + col, other);
+      for (int i = 0; i < 8; ++i) dx0_out[i] += lambda1 * g[i];
 #pragma unroll
       for (int i = 0; i < 8; ++i) g[i] = round_to_bf16(lambda0 * g[i]);
       float plus[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -250,7 +250,13 @@ __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf
       if (dx_plus && dx_plus != dskip) load8(dx_plus + base + col, plus);
 #pragma unroll
       for (int i = 0; i < 8; ++i) g[i] += plus[i];
-      store8(dx + base + col, g);
+      if (x_in == x0) {  // the first block's input is x0: its gradient joins dx0's, each rounded as stored
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dx0_out[i] = round_to_bf16(dx0_out[i]) + round_to_bf16(g[i]);
+      } else {
+        store8(dx + base + col, g);
+      }
+      store8(dx0 + base + col, dx0_out);
     }
   }
   dot_in = block_sum(dot_in);
@@ -265,8 +271,9 @@ __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf
 
 // [T, d] each; skip, w, dw, dskip all null when the block has no skip. dx_plus (or null) is added to
 // dx as it is written: the gradient the previous layer's output got through a skip (may be this
-// pass's own dskip, as stored in bf16), so that no separate pass adds it. scratch:
-// kScalarReductionScratchFloats floats.
+// pass's own dskip, as stored in bf16), so that no separate pass adds it. Where x_in is x0 (the
+// first block), the gradient of x_in is x0's too: it is added into dx0 and dx is not written.
+// scratch: kScalarReductionScratchFloats floats.
 inline void mix_norm_backward(const bf16* x_mixed, const bf16* dh, bf16* dx, const bf16* x_in, const bf16* x0,
                               const float* l0, float* dl0, const float* l1, float* dl1, bf16* dx0, const bf16* skip,
                               const float* w, float* dw, bf16* dskip, const bf16* dx_plus, int T, int d, float* scratch,

@@ -191,15 +191,20 @@ void check_mix_norm(int T, int d, bool with_skip, uint64_t seed) {
 // rmsnorm'(x_mixed) dh), dl0 += g . x_in, dl1 += g . x0, dx0 = bf16(dx0 + l1 g), dx = bf16(l0 g); with
 // the skip dw += dx . skip, dskip = bf16(w dx). Scalar gradients accumulate onto prior values.
 // plus: what is added to dx as it is written: nothing, another buffer's gradient, or (with the
-// skip) the pass's own dskip.
-enum class DxPlus { none, other, own_dskip };
+// skip) the pass's own dskip; first_block: x_in is x0 itself (its gradient joins dx0's, dx is left).
+enum class DxPlus { none, other, own_dskip, first_block };
 
 void check_mix_norm_backward(int T, int d, bool with_skip, uint64_t seed, DxPlus plus = DxPlus::none) {
   std::printf("  mix + norm backward T=%d d=%d %s%s\n", T, d, with_skip ? "with the skip" : "without",
-              plus == DxPlus::other ? ", plus another gradient" : plus == DxPlus::own_dskip ? ", plus its own dskip" : "");
+              plus == DxPlus::other       ? ", plus another gradient"
+              : plus == DxPlus::own_dskip ? ", plus its own dskip"
+              : plus == DxPlus::first_block ? ", the first block (x_in is x0)"
+                                            : "");
+  const bool first_block = plus == DxPlus::first_block;
   const size_t n = size_t(T) * d;
   auto random_bf16 = [&](uint64_t s) { return rounded_to_bf16(random_normal(n, seed + s)); };
-  const std::vector<double> x_mixed = random_bf16(0), dh = random_bf16(1), x_in = random_bf16(2), x0 = random_bf16(3),
+  const std::vector<double> x_mixed = random_bf16(0), dh = random_bf16(1), x0 = random_bf16(3),
+                            x_in = first_block ? x0 : random_bf16(2),
                             skip = random_bf16(4), dx_in = random_bf16(5), dx0_in = random_bf16(6),
                             other = random_bf16(7);
   const float l0 = 0.9f, l1 = 0.35f, w = 0.625f;
@@ -208,7 +213,8 @@ void check_mix_norm_backward(int T, int d, bool with_skip, uint64_t seed, DxPlus
   dskip.poison();
   DeviceBuffer<float> scalars(std::vector<float>{l0, l1, w, 0.25f, -0.5f, 0.75f}), scratch(kScalarReductionScratchFloats);
   float* s = scalars.get();
-  mix_norm_backward(dx_mixed.get(), ddh.get(), dx.get(), dx_in_.get(), dx0_.get(), s, s + 3, s + 1, s + 4, dx0.get(),
+  mix_norm_backward(dx_mixed.get(), ddh.get(), dx.get(), first_block ? dx0_.get() : dx_in_.get(), dx0_.get(), s, s + 3,
+                    s + 1, s + 4, dx0.get(),
                     with_skip ? dskip_src.get() : nullptr, with_skip ? s + 2 : nullptr, with_skip ? s + 5 : nullptr,
                     with_skip ? dskip.get() : nullptr,
                     plus == DxPlus::other ? dother.get() : plus == DxPlus::own_dskip ? dskip.get() : nullptr, T, d,
@@ -230,6 +236,10 @@ void check_mix_norm_backward(int T, int d, bool with_skip, uint64_t seed, DxPlus
       dskip_ref[i] = double(w) * dx_ref[i];
       if (plus == DxPlus::other) dx_ref[i] += other[i];
       if (plus == DxPlus::own_dskip) dx_ref[i] += rounded_to_bf16(std::vector<double>{dskip_ref[i]})[0];
+      if (first_block) {  // dx0 gets x_in's gradient as add_into added it; dx keeps what it held
+        dx0_ref[i] = rounded_to_bf16(std::vector<double>{dx0_ref[i]})[0] + dx_ref[i];
+        dx_ref[i] = dx_in[i];
+      }
     }
   }
   std::vector<double> dx_gpu = to_double(dx.download()), dx0_gpu = to_double(dx0.download());
@@ -265,6 +275,7 @@ TEST_CASE("the backward of a block's input in one pass, scalar gradients in a fi
   check_mix_norm_backward(1000, 768, false, 110, DxPlus::other);
   check_mix_norm_backward(1000, 768, true, 120, DxPlus::other);
   check_mix_norm_backward(1000, 768, true, 130, DxPlus::own_dskip);
+  check_mix_norm_backward(1000, 768, false, 140, DxPlus::first_block);
   DeviceBuffer<bf16> x(768);
   DeviceBuffer<float> s(std::vector<float>(8, 1.0f));
   CHECK_THROWS_WITH(mix_norm_backward(x.get(), x.get(), x.get(), x.get(), x.get(), s.get(), s.get() + 1, s.get(),
