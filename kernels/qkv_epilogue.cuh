@@ -47,14 +47,11 @@ struct QkvEpilogue {
     for (int n = 0; n < kN; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] = round_to_bf16(acc[n][e]);  // the raw qkv, as stored
+    gemm_epilogue::Identity{}.store(acc, c, row0, col0, N);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // the thread's rows: fragment_row(0) and fragment_row(2)
       const int t = row0 + wgmma_tiles::fragment_row(2 * half);
-      const size_t raw = size_t(t) * N + col0, out = size_t(t) * d + out_col0;
-#pragma unroll
-      for (int n = 0; n < kN; ++n)
-        *reinterpret_cast<uint32_t*>(c + raw + wgmma_tiles::fragment_col(n, 0)) =
-            wgmma_tiles::pack_bf16(acc[n][2 * half], acc[n][2 * half + 1]);
+      const size_t out = size_t(t) * d + out_col0;
       if (which == 2) {  // v = sa0 v_raw + sa1 ve
         const float alpha = *sa0, beta = ve ? *sa1 : 0.0f;
 #pragma unroll
