@@ -11,7 +11,9 @@
 // keeps the two-kernel backward (dq per query block, dk and dv per kv block, each recomputing S
 // and dP) until the fused one has passed on a GPU. `--attention flash-ws` takes the
 // warp-specialised forward (forward_ws_kernel: TMA producer, consumer warpgroups in ping-pong),
-// bitwise the same as forward_kernel, until it has passed and measured faster on a GPU.
+// bitwise the same as forward_kernel, until it has passed and measured faster on a GPU. With
+// `--qk-norm-backward fused` the fused backward stores, instead of dq and dk, the gradients of the
+// raw q and k through the QK norm and RoPE (QkNormGradient), until that has too.
 //
 // Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
 // [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7), atoms of 8 rows
@@ -23,6 +25,7 @@
 #pragma once
 #include "kernels/attention.cuh"
 #include "kernels/ptx.cuh"
+#include "kernels/rope.cuh"
 #include "kernels/tensor_map.cuh"
 #include "kernels/wgmma_tiles.cuh"
 
@@ -590,13 +593,165 @@ __device__ inline void wgmma_ds_k(float (&dq)[kDsRows / 8][4], const bf16* ds_ti
   ptx::wgmma_commit();
 }
 
+// The QK norm's and RoPE's backward (rope.cuh's qk_norm_rope_backward) where the fused backward
+// stores dq and dk (`--qk-norm-backward fused`): it writes, instead of dq and dk, the gradients of
+// the raw q and k, the q and k thirds of dqkv, from the raw qkv (each row's norm recomputed from its
+// sum of squares) and the rope table; the gradient goes through in fp32 (the pass read dq and dk
+// rounded to bf16). The pass over dq and dk goes.
+struct QkNormGradient {
+  const bf16* qkv;       // [T, 3, H, 128]: the raw projections q and k were made from
+  const float* cos_sin;  // [T, 64, 2] (rope_table_host)
+  bf16* dqkv;            // [T, 3, H, 128]: its q and k thirds are written
+  float eps;
+  // The start of head h's row of token t in the q (which 0) or k (1) third of qkv and dqkv.
+  __device__ size_t row(int t, int which, int h, int H) const {
+    return (size_t(t) * 3 + which) * H * kAttentionHeadDim + size_t(h) * kAttentionHeadDim;
+  }
+};
+
+// RoPE's inverse on a pair (j, j + 64) of gradients: the transpose of the forward's rotation.
+__device__ inline void rope_unrotate(float& g1, float& g2, float c, float s) {
+  const float turned1 = g1 * c - g2 * s;
+  g2 = g1 * s + g2 * c;
+  g1 = turned1;
+}
+
+// A thread's part of a row's sums for the norm's backward: x x and x g over its `pairs` column pairs
+// (columns fragment_col(n, 0) + {0, 1} of the row from x), g the gradients of the normalised values.
+template <int pairs>
+__device__ inline float2 norm_backward_sums(const bf16* x, const float (&g)[pairs][2]) {
+  float ss = 0, dot = 0;
+#pragma unroll
+  for (int n = 0; n < pairs; ++n) {
+    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(x + fragment_col(n, 0));
+    const float x0 = __low2float(pair), x1 = __high2float(pair);
+    ss += x0 * x0 + x1 * x1;
+    dot += x0 * g[n][0] + x1 * g[n][1];
+  }
+  return make_float2(ss, dot);
+}
+
+// The norm's backward of a thread's column pairs of a row whose sums (over its 128 columns) are
+// `sums`, written to dx.
+template <int pairs>
+__device__ inline void store_norm_backward(bf16* dx, const bf16* x, const float (&g)[pairs][2], float2 sums,
+                                           float eps) {
+  const float inv = rsqrtf(sums.x / kAttentionHeadDim + eps), mean_dot = sums.y / kAttentionHeadDim;
+#pragma unroll
+  for (int n = 0; n < pairs; ++n) {
+    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(x + fragment_col(n, 0));
+    *reinterpret_cast<uint32_t*>(dx + fragment_col(n, 0)) =
+        pack_bf16(rmsnorm_backward_element(0.0f, inv, g[n][0], __low2float(pair), mean_dot),
+                  rmsnorm_backward_element(0.0f, inv, g[n][1], __high2float(pair), mean_dot));
+  }
+}
+
+// A warp's 16 keys of dk (the accumulator times `scale`) through the norm's and RoPE's backward,
+// as the k third of dqkv. A row's 128 columns sit in a quad (its sums are two shuffles), RoPE's pairs
+// (j, j + 64) in one thread (n and n + 8; only j < 32 turn: the table holds cos 1, sin 0 beyond).
+__device__ inline void store_k_rows_through_norm(const float (&acc)[kAttentionHeadDim / 8][4], int first_token, int h,
+                                                 int H, float scale, const QkNormGradient& norm) {
+  constexpr int kN = kAttentionHeadDim / 8;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = first_token + fragment_row(2 * half);
+    const float* angles = norm.cos_sin + size_t(t) * kRopeHeadDim;
+    float g[kN][2];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) g[n][0] = acc[n][2 * half] * scale, g[n][1] = acc[n][2 * half + 1] * scale;
+#pragma unroll
+    for (int n = 0; n < kN / 4; ++n) {
+      const float4 cs = *reinterpret_cast<const float4*>(angles + 2 * fragment_col(n, 0));
+      rope_unrotate(g[n][0], g[n + kN / 2][0], cs.x, cs.y);
+      rope_unrotate(g[n][1], g[n + kN / 2][1], cs.z, cs.w);
+    }
+    const size_t at = norm.row(t, 1, h, H);
+    const float2 sums = norm_backward_sums(norm.qkv + at, g);
+    store_norm_backward(norm.dqkv + at, norm.qkv + at, g, make_float2(quad_sum(sums.x), quad_sum(sums.y)), norm.eps);
+  }
+}
+
+// The last contributor's dq rows through the norm's and RoPE's backward, as the q third of dqkv: g
+// holds its warpgroup's 64 columns (64 group ..) of the 64 queries from q_first, summed and scaled.
+// A row's columns are split between the warpgroups, so RoPE's pairs (j, j + 64) cross from one to
+// the other, and so does the row's sum: the turning columns (j < 32) go through `exchange` (the dS
+// tile's 16 KB, [2 groups][64 rows][32], free until the next half's barrier; columns swizzled by
+// the row, so that a warp's stores hit distinct banks), the rows' partial sums through `row_sums`
+// [2 groups][64 rows], added in group order by both warpgroups (one norm for the row).
+__device__ inline void store_q_rows_through_norm(float (&g)[kDsRows / 8][4], int q_first, int h, int H,
+                                                 const QkNormGradient& norm, float* exchange, float2* row_sums) {
+  constexpr int kN = kDsRows / 8, kTurning = kAttentionHeadDim / 4;
+  const int warp = threadIdx.x / 32, group = warp / 4;
+  auto row_of = [&](int half) { return warp % 4 * 16 + fragment_row(2 * half); };
+  auto exchanged = [&](int from_group, int row, int n) {
+    return reinterpret_cast<float2*>(exchange + (from_group * kDsRows + row) * kTurning +
+                                     (fragment_col(n, 0) ^ (row % 4 * 8)));
+  };
+  __syncthreads();  // both warpgroups' dS K products are done with the dS tile
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+    for (int n = 0; n < kTurning / 8; ++n) *exchanged(group, row_of(half), n) = make_float2(g[n][2 * half], g[n][2 * half + 1]);
+  __syncthreads();
+  float turned[2][kN][2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_of(half), t = q_first + row;
+    const float* angles = norm.cos_sin + size_t(t) * kRopeHeadDim;
+#pragma unroll
+    for (int n = 0; n < kN; ++n) turned[half][n][0] = g[n][2 * half], turned[half][n][1] = g[n][2 * half + 1];
+#pragma unroll
+    for (int n = 0; n < kTurning / 8; ++n) {
+      const float4 cs = *reinterpret_cast<const float4*>(angles + 2 * fragment_col(n, 0));
+      const float2 other = *exchanged(1 - group, row, n);
+      float partner[2] = {other.x, other.y};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float c = e ? cs.z : cs.x, s = e ? cs.w : cs.y;
+        if (group == 0) rope_unrotate(turned[half][n][e], partner[e], c, s);
+        else rope_unrotate(partner[e], turned[half][n][e], c, s);
+      }
+    }
+    const float2 sums = norm_backward_sums(norm.qkv + norm.row(t, 0, h, H) + group * kDsRows, turned[half]);
+    const float2 quad = make_float2(quad_sum(sums.x), quad_sum(sums.y));
+    if (threadIdx.x % 4 == 0) row_sums[group * kDsRows + row] = quad;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_of(half), t = q_first + row;
+    const float2 first = row_sums[row], second = row_sums[kDsRows + row];
+    const size_t at = norm.row(t, 0, h, H) + group * kDsRows;
+    store_norm_backward(norm.dqkv + at, norm.qkv + at, turned[half],
+                        make_float2(first.x + second.x, first.y + second.y), norm.eps);
+  }
+}
+
+// Asks L2 for the 128 rows of 128 bf16 (two lines a row) from `first` on, rows `stride` apart, a line
+// a thread: what a tail of the CTA reads later (the norm's raw q or k rows), so that it waits less.
+__device__ inline void prefetch_tile_rows(const bf16* first, int64_t stride) {
+  static_assert(kThreads == 2 * kTile, "a line a thread");
+  ptx::prefetch_l2(first + int64_t(threadIdx.x / 2) * stride + threadIdx.x % 2 * 64);
+}
+
+// Where the fused backward's last dq contributors write: dq, or (through the QK norm) dqkv's q third,
+// with the shared memory that takes.
+struct DqOutput {
+  bf16* dq;
+  QkNormGradient norm;
+  float* exchange;
+  float2* row_sums;
+};
+
 // Adds the CTA's dq contribution to the 64 queries from token q_first of head h, in its turn of
-// `contributors`; each warpgroup holds 64 of the 128 columns (the accumulator of wgmma_ds_k).
+// `contributors`; each warpgroup holds 64 of the 128 columns (the accumulator of wgmma_ds_k). The
+// last contributor writes the sum in bf16 (through_norm: through the QK norm's and RoPE's backward).
 // Returns the counter the contribution must still move on (null for the last contributor, which
 // ends the sum): release_dq_turn does it after the CTA's next block barrier, by when the fp32
 // reductions have long reached L2, so that the fence waits for nothing (done here, right after
 // them, it waited out their round trip, and the whole CTA with it at the next barrier).
-__device__ inline int* add_dq_contribution(const float (&part)[kDsRows / 8][4], const DqPartialSums& s, bf16* dq,
+template <bool through_norm>
+__device__ inline int* add_dq_contribution(float (&part)[kDsRows / 8][4], const DqPartialSums& s, const DqOutput& out,
                                            const AttentionTensors& a, int h, int q_first, int turn,
                                            int contributors) {
   int* counter = s.turns + size_t(h) * (a.T / kDsRows) + q_first / kDsRows;
@@ -605,28 +760,45 @@ __device__ inline int* add_dq_contribution(const float (&part)[kDsRows / 8][4], 
     __syncthreads();
   }
   const int warp = threadIdx.x / 32;
-  const bool last = turn + 1 == contributors;
+  auto sum_at = [&](int n, int half) {
+    const int row = q_first + warp % 4 * 16 + fragment_row(2 * half), col = warp / 4 * 64 + fragment_col(n, 0);
+    return reinterpret_cast<float2*>(s.sums + (size_t(h) * a.T + row) * kAttentionHeadDim + col);
+  };
+  if (turn + 1 < contributors) {
+#pragma unroll
+    for (int n = 0; n < kDsRows / 8; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float2 v = make_float2(part[n][2 * half], part[n][2 * half + 1]);
+        if (turn == 0) __stcg(sum_at(n, half), v);
+        else atomicAdd(sum_at(n, half), v);
+      }
+    return counter;
+  }
 #pragma unroll
   for (int n = 0; n < kDsRows / 8; ++n)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = q_first + warp % 4 * 16 + fragment_row(2 * half), col = warp / 4 * 64 + fragment_col(n, 0);
       float2 v = make_float2(part[n][2 * half], part[n][2 * half + 1]);
-      float2* sum = reinterpret_cast<float2*>(s.sums + (size_t(h) * a.T + row) * kAttentionHeadDim + col);
-      if (last) {
-        if (turn > 0) {
-          const float2 before = __ldcg(sum);  // from L2: this SM's L1 may hold an older copy
-          v = make_float2(before.x + v.x, before.y + v.y);
-        }
-        *reinterpret_cast<uint32_t*>(dq + (size_t(row) * a.H + h) * kAttentionHeadDim + col) =
-            pack_bf16(v.x * kAttentionScale, v.y * kAttentionScale);
-      } else if (turn == 0) {
-        __stcg(sum, v);
-      } else {
-        atomicAdd(sum, v);
+      if (turn > 0) {
+        const float2 before = __ldcg(sum_at(n, half));  // from L2: this SM's L1 may hold an older copy
+        v = make_float2(before.x + v.x, before.y + v.y);
       }
+      part[n][2 * half] = v.x * kAttentionScale, part[n][2 * half + 1] = v.y * kAttentionScale;
     }
-  return last ? nullptr : counter;
+  if constexpr (through_norm) {
+    store_q_rows_through_norm(part, q_first, h, a.H, out.norm, out.exchange, out.row_sums);
+  } else {
+#pragma unroll
+    for (int n = 0; n < kDsRows / 8; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = q_first + warp % 4 * 16 + fragment_row(2 * half), col = warp / 4 * 64 + fragment_col(n, 0);
+        *reinterpret_cast<uint32_t*>(out.dq + (size_t(row) * a.H + h) * kAttentionHeadDim + col) =
+            pack_bf16(part[n][2 * half], part[n][2 * half + 1]);
+      }
+  }
+  return nullptr;
 }
 
 // Moves a contribution's counter on (null: nothing to do), called by every thread after a block
@@ -645,17 +817,23 @@ __device__ inline void release_dq_turn(int* counter) {
 // list this kv block, 64 queries at a time; the warps own 16 keys each, so scores are transposed.
 // With fused_dq (the fused backward) the same dS also gives dq: each 64-query half of dS goes to
 // shared memory as [queries][keys], and dS K is added to dq's partial sums (DqPartialSums) in turn.
-template <bool fused_dq>
+// With through_norm (fused_dq only) dq and dk go through the QK norm's and RoPE's backward into
+// norm.dqkv instead of dq and dk (QkNormGradient).
+template <bool fused_dq, bool through_norm = false>
 __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                 const bf16* dy, const float* lse, const float* delta,
                                                                 bf16* dq, bf16* dk, bf16* dv, DqPartialSums dq_sums,
-                                                                AttentionTensors a, DeviceAttentionMask m) {
+                                                                QkNormGradient norm, AttentionTensors a,
+                                                                DeviceAttentionMask m) {
+  static_assert(fused_dq || !through_norm, "the norm's backward rides on the fused backward's dq sums");
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // K, V, per stage Q and dY, then (fused) dS
   bf16 *k_tile = tiles, *v_tile = tiles + kTileElements, *ds_tile = tiles + (2 + 2 * kStages) * kTileElements;
   __shared__ __align__(16) int32_t stage_start[kStages][kTile];  // the query tiles' document starts
   __shared__ __align__(16) float stage_lse[kStages][kTile], stage_delta[kStages][kTile];
   __shared__ int work;  // the fused backward's (head, kv block), by ticket
+  __shared__ float2 dq_row_sums[through_norm ? 2 * kDsRows : 1];  // store_q_rows_through_norm's
+  const DqOutput dq_out{dq, norm, reinterpret_cast<float*>(ds_tile), dq_row_sums};
   if constexpr (fused_dq) {
     if (threadIdx.x == 0) work = atomicAdd(dq_sums.ticket, 1);
     __syncthreads();
@@ -693,6 +871,11 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     const int32_t* q_start = stage_start[stage];
     const float *q_lse = stage_lse[stage], *q_delta = stage_delta[stage];
     const bool masked = needs_mask(qb, kb, q_start[kTile - 1]);
+    if constexpr (through_norm) {  // the raw rows the norm's tails read: q's where this CTA ends dq, k's at the end
+      const int64_t raw_stride = 3 * int64_t(a.H) * kAttentionHeadDim;
+      if (m.q_turn[kb * m.max_q + j] + 1 == m.kv_count[qb]) prefetch_tile_rows(norm.qkv + norm.row(q0, 0, h, a.H), raw_stride);
+      if (j + 1 == count) prefetch_tile_rows(norm.qkv + norm.row(k0, 1, h, a.H), raw_stride);
+    }
     for (int half = 0; half < kTile / kQueries; ++half) {
       float st[N][4], dpt[N][4];  // [64 keys x 64 queries] per warpgroup
       wgmma_a_bt<kQueries>(st, k_tile, warpgroup_row, q_tile, half * kQueries);
@@ -718,8 +901,8 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
         float dq_part[kDsRows / 8][4];
         wgmma_ds_k(dq_part, ds_tile, k_tile, warp / 4);
         wgmma_wait_all(dv_acc, dk_acc, dq_part);
-        pending_turn = add_dq_contribution(dq_part, dq_sums, dq, a, h, q0 + half * kQueries,
-                                           m.q_turn[kb * m.max_q + j], m.kv_count[qb]);
+        pending_turn = add_dq_contribution<through_norm>(dq_part, dq_sums, dq_out, a, h, q0 + half * kQueries,
+                                                         m.q_turn[kb * m.max_q + j], m.kv_count[qb]);
       } else {
         // now, not at the next half: P and dS in flight beside the next scores would spill registers
         wgmma_wait_all(dv_acc, dk_acc);
@@ -730,8 +913,9 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     __syncthreads();  // the last half's sums are in
     release_dq_turn(pending_turn);
   }
-  store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
-  store_rows(dv, dv_acc, k0 + warp * 16, h, a.H, 1.0f, 1.0f);
+  store_rows(dv, dv_acc, k0 + warp * 16, h, a.H, 1.0f, 1.0f);  // first: its registers are free for dk's norm
+  if constexpr (through_norm) store_k_rows_through_norm(dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, norm);
+  else store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
 }
 
 template <typename Kernel>
@@ -752,6 +936,14 @@ struct FlashAttentionOperand {
 };
 constexpr unsigned kFlashCopiedAlignment = 16, kFlashWrittenAlignment = 4;
 
+// Refuses, naming the tensor, a misaligned start (the GPU would fault).
+inline void check_flash_operands(std::initializer_list<FlashAttentionOperand> operands) {
+  for (const FlashAttentionOperand& o : operands)
+    if (reinterpret_cast<uintptr_t>(o.start) % o.alignment)
+      throw std::invalid_argument(std::string("flash attention: ") + o.name + " must start " +
+                                  std::to_string(o.alignment) + "-byte aligned");
+}
+
 // Refuses, naming the tensor, what would fault on the GPU (misaligned address) or compute garbage.
 inline void check_flash_attention_shape(const AttentionTensors& a, const AttentionMask& mask,
                                         std::initializer_list<FlashAttentionOperand> operands) {
@@ -759,10 +951,7 @@ inline void check_flash_attention_shape(const AttentionTensors& a, const Attenti
   check_attention_shape(a, mask);
   if (a.q_stride % 8 || a.k_stride % 8 || a.v_stride % 8)
     throw std::invalid_argument("flash attention: row strides must be multiples of 8 elements (16-byte rows)");
-  for (const FlashAttentionOperand& o : operands)
-    if (reinterpret_cast<uintptr_t>(o.start) % o.alignment)
-      throw std::invalid_argument(std::string("flash attention: ") + o.name + " must start " +
-                                  std::to_string(o.alignment) + "-byte aligned");
+  check_flash_operands(operands);
 }
 
 // y: [T, H, 128], lse: [H, T]
@@ -803,18 +992,35 @@ inline void flash_attention_forward_ws(const bf16* q, const bf16* k, const bf16*
   CUDA_CHECK_LAUNCH();
 }
 
-// The checks of both flash backwards and their first kernel: delta = rowsum(y dy) into the
-// scratch's first [H, T] floats (attention_backward_scratch_floats(T, H) in all).
+// The checks of every flash backward (the inputs, and the outputs it names) and their first kernel:
+// delta = rowsum(y dy) into the scratch's first [H, T] floats (attention_backward_scratch_floats(T, H)
+// in all).
 inline void flash_attention_backward_start(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
-                                           const float* lse, float* scratch, bf16* dq, bf16* dk, bf16* dv,
+                                           const float* lse, float* scratch,
+                                           std::initializer_list<FlashAttentionOperand> outputs,
                                            const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
   check_flash_attention_shape(a, mask,
                               {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
                                {"v", v, kFlashCopiedAlignment}, {"dy", dy, kFlashCopiedAlignment},
-                               {"lse", lse, kFlashCopiedAlignment}, {"scratch", scratch, kFlashCopiedAlignment},
-                               {"dq", dq, kFlashWrittenAlignment}, {"dk", dk, kFlashWrittenAlignment},
-                               {"dv", dv, kFlashWrittenAlignment}});
+                               {"lse", lse, kFlashCopiedAlignment}, {"scratch", scratch, kFlashCopiedAlignment}});
+  check_flash_operands(outputs);
   attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, scratch, a.T, a.H);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The fused backward's kernel (after flash_attention_backward_start), its counters zeroed first.
+template <bool through_norm>
+void launch_fused_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* dy, const float* lse,
+                           float* scratch, bf16* dq, bf16* dk, bf16* dv, const flash::QkNormGradient& norm,
+                           const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
+  const size_t statistics = size_t(a.H) * a.T;
+  int* counters = reinterpret_cast<int*>(scratch + statistics * (1 + kAttentionHeadDim));
+  const flash::DqPartialSums sums{scratch + statistics, counters, counters + 1};
+  CUDA_CHECK(cudaMemsetAsync(counters, 0, (1 + statistics / flash::kDsRows) * sizeof(int), stream));
+  const size_t smem = flash::kFusedBackwardSharedBytes;
+  flash::set_shared_memory(flash::backward_dkv_kernel<true, through_norm>, smem);
+  flash::backward_dkv_kernel<true, through_norm><<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(
+      q, k, v, dy, lse, scratch, dq, dk, dv, sums, norm, a, mask.device());
   CUDA_CHECK_LAUNCH();
 }
 
@@ -824,16 +1030,32 @@ inline void flash_attention_backward_start(const bf16* q, const bf16* k, const b
 inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
                                      const float* lse, float* scratch, bf16* dq, bf16* dk, bf16* dv,
                                      const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
-  flash_attention_backward_start(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, stream);
-  const size_t statistics = size_t(a.H) * a.T;
-  int* counters = reinterpret_cast<int*>(scratch + statistics * (1 + kAttentionHeadDim));
-  const flash::DqPartialSums sums{scratch + statistics, counters, counters + 1};
-  CUDA_CHECK(cudaMemsetAsync(counters, 0, (1 + statistics / flash::kDsRows) * sizeof(int), stream));
-  const size_t smem = flash::kFusedBackwardSharedBytes;
-  flash::set_shared_memory(flash::backward_dkv_kernel<true>, smem);
-  flash::backward_dkv_kernel<true><<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(
-      q, k, v, dy, lse, scratch, dq, dk, dv, sums, a, mask.device());
-  CUDA_CHECK_LAUNCH();
+  flash_attention_backward_start(
+      q, k, v, y, dy, lse, scratch,
+      {{"dq", dq, kFlashWrittenAlignment}, {"dk", dk, kFlashWrittenAlignment}, {"dv", dv, kFlashWrittenAlignment}}, a,
+      mask, stream);
+  launch_fused_backward<false>(q, k, v, dy, lse, scratch, dq, dk, dv, flash::QkNormGradient{}, a, mask, stream);
+}
+
+// The fused backward with the QK norm's and RoPE's backward where it stores dq and dk
+// (`--qk-norm-backward fused`, flash::QkNormGradient): the q and k thirds of dqkv [T, 3, H, 128],
+// what qk_norm_rope_backward makes of dq and dk, instead of them (its v third is not touched); dv
+// as flash_attention_backward. qkv [T, 3, H, 128]: the raw projections q and k were made from
+// (qk_norm_rope_forward), with the rope table cos_sin [T, 64, 2].
+inline void flash_attention_backward_through_qk_norm(const bf16* q, const bf16* k, const bf16* v, const bf16* y,
+                                                     const bf16* dy, const float* lse, float* scratch, const bf16* qkv,
+                                                     const float* cos_sin, bf16* dqkv, bf16* dv,
+                                                     const AttentionTensors& a, const AttentionMask& mask,
+                                                     cudaStream_t stream, float eps = kRmsEps) {
+  if (!qkv || !cos_sin || !dqkv)
+    throw std::invalid_argument("flash attention through the QK norm: qkv, the rope table and dqkv are required");
+  // qkv is read and dqkv written a bf16 pair at a time, the table 16 bytes (two pairs' angles) at a time
+  flash_attention_backward_start(q, k, v, y, dy, lse, scratch,
+                                 {{"qkv", qkv, kFlashWrittenAlignment}, {"rope table", cos_sin, kFlashCopiedAlignment},
+                                  {"dqkv", dqkv, kFlashWrittenAlignment}, {"dv", dv, kFlashWrittenAlignment}},
+                                 a, mask, stream);
+  launch_fused_backward<true>(q, k, v, dy, lse, scratch, nullptr, nullptr, dv,
+                              flash::QkNormGradient{qkv, cos_sin, dqkv, eps}, a, mask, stream);
 }
 
 // The backward as two kernels that each recompute the scores (`--attention flash-split`): dq per
@@ -842,14 +1064,17 @@ inline void flash_attention_backward_split(const bf16* q, const bf16* k, const b
                                            const bf16* dy, const float* lse, float* scratch, bf16* dq, bf16* dk,
                                            bf16* dv, const AttentionTensors& a, const AttentionMask& mask,
                                            cudaStream_t stream) {
-  flash_attention_backward_start(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, stream);
+  flash_attention_backward_start(
+      q, k, v, y, dy, lse, scratch,
+      {{"dq", dq, kFlashWrittenAlignment}, {"dk", dk, kFlashWrittenAlignment}, {"dv", dv, kFlashWrittenAlignment}}, a,
+      mask, stream);
   const size_t smem = flash::kBackwardSharedBytes;
   const dim3 grid(a.T / flash::kTile, a.H);
   flash::set_shared_memory(flash::backward_dq_kernel, smem);
   flash::backward_dq_kernel<<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, scratch, dq, a, mask.device());
   CUDA_CHECK_LAUNCH();
   flash::set_shared_memory(flash::backward_dkv_kernel<false>, smem);
-  flash::backward_dkv_kernel<false><<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, scratch, nullptr, dk, dv,
-                                                                             flash::DqPartialSums{}, a, mask.device());
+  flash::backward_dkv_kernel<false><<<grid, flash::kThreads, smem, stream>>>(
+      q, k, v, dy, lse, scratch, nullptr, dk, dv, flash::DqPartialSums{}, flash::QkNormGradient{}, a, mask.device());
   CUDA_CHECK_LAUNCH();
 }

@@ -172,6 +172,11 @@ __device__ inline void tma_load_2d(void* shared, const void* map, int x, int y, 
       : "memory");
 }
 
+// Asks L2 for the 128-byte line at `global` (a hint: nothing waits for it, no register holds it).
+__device__ inline void prefetch_l2(const void* global) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(global));
+}
+
 // Named barriers 1-15 (0 is __syncthreads'): `threads` (a multiple of 32) arrive, by whole warps;
 // sync waits for the rest, arrive does not.
 __device__ inline void named_barrier_sync(int id, int threads) {

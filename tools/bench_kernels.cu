@@ -463,6 +463,12 @@ void bench_attention(const Peaks& peaks) {
   bf16 *y = device_alloc<bf16>(size_t(T) * D), *dq = device_alloc<bf16>(size_t(T) * D);
   bf16 *dk = device_alloc<bf16>(size_t(T) * D), *dv = device_alloc<bf16>(size_t(T) * D);
   float *lse = device_alloc<float>(size_t(T) * H), *scratch = device_alloc<float>(attention_backward_scratch_floats(T, H));
+  // the raw qkv and dqkv of the QK norm's and RoPE's backward (--qk-norm-backward: the pass, or in the backward)
+  bf16 *qkv = random_bf16(size_t(T) * 3 * D, 1.0f, 14), *dqkv = device_alloc<bf16>(size_t(T) * 3 * D);
+  std::vector<float> table;
+  rope_table_host(T, table);
+  float* cos_sin = device_alloc<float>(table.size());
+  CUDA_CHECK(cudaMemcpy(cos_sin, table.data(), table.size() * sizeof(float), cudaMemcpyHostToDevice));
   AttentionTensors a{T, H, D, D, D};
   StagedUploads uploads;
   for (int window : {1, 2, 4, 7, 10, 14}) {
@@ -483,6 +489,15 @@ void bench_attention(const Peaks& peaks) {
     std::snprintf(name, sizeof name, "flash attention bwd, window %2d blocks", window);
     row(name, median_ms([&] { flash_attention_backward(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0); }), 0,
         2.5 * fwd_flops, peaks);
+    std::snprintf(name, sizeof name, "flash bwd + QK norm pass, window %2d", window);
+    row(name, median_ms([&] {
+          flash_attention_backward(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0);
+          qk_norm_rope_backward(qkv, dq, dk, cos_sin, dqkv, T, H, 0);
+        }), 0, 2.5 * fwd_flops, peaks);
+    std::snprintf(name, sizeof name, "flash bwd through QK norm, window %2d", window);
+    row(name, median_ms([&] {
+          flash_attention_backward_through_qk_norm(q, k, v, y, dy, lse, scratch, qkv, cos_sin, dqkv, dv, a, mask, 0);
+        }), 0, 2.5 * fwd_flops, peaks);
     std::snprintf(name, sizeof name, "flash attention bwd split, window %2d", window);
     row(name,
         median_ms([&] { flash_attention_backward_split(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0); }), 0,
@@ -496,7 +511,7 @@ void bench_attention(const Peaks& peaks) {
     }
   }
   for (void* b : {(void*)q, (void*)k, (void*)v, (void*)dy, (void*)y, (void*)dq, (void*)dk, (void*)dv, (void*)lse,
-                  (void*)scratch})
+                  (void*)scratch, (void*)qkv, (void*)dqkv, (void*)cos_sin})
     cudaFree(b);
 }
 

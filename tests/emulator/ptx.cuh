@@ -46,6 +46,9 @@ inline float exp2_ftz(float x) {
   return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
 }
 
+// prefetch.global.L2: a hint about caches, which the emulator has none of.
+inline void prefetch_l2(const void*) {}
+
 inline uint32_t shared_address(const void* p) { return ::emu::shared_window_address(p); }
 
 // Fences order what the GPU may reorder; the emulator runs in program order but checks that the

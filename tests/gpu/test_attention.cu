@@ -3,10 +3,12 @@
 // implementations (the warp-per-row baseline, the tensor-core flash kernels with the fused backward,
 // with the two-kernel one, and with the warp-specialised TMA forward) on random layouts for every
 // window size 1..14, long and short (W/2); the fused backward bitwise the same on a second run, the
-// warp-specialised forward bitwise the same as the other.
+// warp-specialised forward bitwise the same as the other; the fused backward through the QK norm and
+// RoPE against the backward and the pass.
 #include "gpu/gpu_test.h"
 #include "kernels/attention.cuh"
 #include "kernels/flash_attention.cuh"
+#include "kernels/rope.cuh"
 #include "reference/model.h"
 #include "reference/synthetic.h"
 
@@ -329,6 +331,94 @@ TEST_CASE("the fused backward's dq, dk and dv are bitwise the same on a second r
     std::printf("  %s of two runs: %s\n", names[i], same ? "bitwise the same" : "DIFFERENT");
     CHECK(same);
   }
+}
+
+// The fused backward through the QK norm's and RoPE's backward (--qk-norm-backward fused) against
+// the fused backward, then the pass (qk_norm_rope_backward), with q and k the norm and rotation of a
+// random raw qkv as the model makes them: dqkv's q and k thirds within bf16 rounding (the pass
+// rounds dq and dk to bf16 first), its v third untouched (poisoned), dv bitwise the fused backward's,
+// and dqkv bitwise the same on a second run (dq's rows are written by the last of up to 14
+// contributors). A rotation the other way round (the table's sines negated) is far outside the bound.
+void check_through_qk_norm(int T, int H, int window, uint64_t seed) {
+  std::printf("  T = %d, H = %d, window %d\n", T, H, window);
+  const std::vector<uint16_t> tokens = layout(T, 300.0, seed);
+  const LayoutMask layout_mask(tokens, window);
+  const AttentionMask& mask = *layout_mask.mask;
+  const size_t n = size_t(T) * H * D;
+  std::vector<float> table;
+  rope_table_host(T, table);
+  std::vector<float> turned_back = table;
+  for (size_t i = 1; i < turned_back.size(); i += 2) turned_back[i] = -turned_back[i];
+  DeviceBuffer<float> cos_sin(table), wrong_way(turned_back), lse(size_t(T) * H),
+      scratch(attention_backward_scratch_floats(T, H));
+  DeviceBuffer<bf16> qkv(to_bf16(random_normal(3 * n, seed + 1))), v(to_bf16(random_normal(n, seed + 2))),
+      dy(to_bf16(random_normal(n, seed + 3))), q(n), k(n), y(n), dq(n), dk(n), dv_separate(n), dqkv_separate(3 * n),
+      dqkv_wrong_way(3 * n);
+  qk_norm_rope_forward(qkv.get(), cos_sin.get(), q.get(), k.get(), T, H, 0);
+  const AttentionTensors a{T, H, H * D, H * D, H * D};
+  flash_attention_forward(q.get(), k.get(), v.get(), y.get(), lse.get(), a, mask, 0);
+  flash_attention_backward(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(), dq.get(), dk.get(),
+                           dv_separate.get(), a, mask, 0);
+  qk_norm_rope_backward(qkv.get(), dq.get(), dk.get(), cos_sin.get(), dqkv_separate.get(), T, H, 0);
+  qk_norm_rope_backward(qkv.get(), dq.get(), dk.get(), wrong_way.get(), dqkv_wrong_way.get(), T, H, 0);
+  // the q and k thirds of [T, 3, H, 128]: rows of 2 H 128 every 3 H 128
+  auto q_and_k = [&](const std::vector<bf16>& dqkv) {
+    std::vector<double> out;
+    for (int t = 0; t < T; ++t)
+      for (size_t i = 0; i < size_t(2) * H * D; ++i) out.push_back(double(__bfloat162float(dqkv[size_t(t) * 3 * H * D + i])));
+    return out;
+  };
+  std::vector<bf16> runs[2];
+  for (std::vector<bf16>& run : runs) {
+    DeviceBuffer<bf16> dqkv(3 * n), dv(n);
+    dqkv.poison();
+    dv.poison();
+    scratch.poison();
+    flash_attention_backward_through_qk_norm(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(),
+                                             qkv.get(), cos_sin.get(), dqkv.get(), dv.get(), a, mask, 0);
+    run = dqkv.download();
+    const std::vector<bf16> dv_through = dv.download(), dv_then = dv_separate.download();
+    CHECK(std::memcmp(dv_through.data(), dv_then.data(), n * sizeof(bf16)) == 0);
+  }
+  bool v_untouched = true;
+  for (int t = 0; t < T; ++t)
+    for (size_t i = size_t(2) * H * D; i < size_t(3) * H * D; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, &runs[0][size_t(t) * 3 * H * D + i], sizeof bits);
+      v_untouched = v_untouched && bits == 0xFFFF;
+    }
+  CHECK(v_untouched);
+  const std::vector<double> fused = q_and_k(runs[0]);
+  CHECK(all_finite(fused));
+  CHECK_REL_ERROR(fused, q_and_k(dqkv_separate.download()), kBf16Bound);
+  const double wrong_way_error = relative_error(fused, q_and_k(dqkv_wrong_way.download()));
+  std::printf("  against the rotation the other way round: rel. error %.2e (%.0fx the bound)\n", wrong_way_error,
+              wrong_way_error / kBf16Bound);
+  CHECK(wrong_way_error > 10 * kBf16Bound);
+  const bool same = std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(bf16)) == 0;
+  std::printf("  dqkv of two runs: %s\n", same ? "bitwise the same" : "DIFFERENT");
+  CHECK(same);
+}
+
+TEST_CASE("the fused backward through the QK norm and RoPE gives the backward and the pass's dqkv") {
+  check_through_qk_norm(128 * 16, 2, 1, 900);
+  check_through_qk_norm(128 * (emulating_a_subset() ? 16 : 64), emulating_a_subset() ? 2 : 6, 14, 910);
+  const int T = 256, H = 1;
+  const LayoutMask layout_mask(layout(T, 300.0, 920), 2);
+  const size_t n = size_t(T) * H * D;
+  DeviceBuffer<bf16> q(n), k(n), v(n), y(n), dy(n), qkv(3 * n + 1), dqkv(3 * n + 1), dv(n);
+  DeviceBuffer<float> lse(size_t(T) * H), scratch(attention_backward_scratch_floats(T, H)), cos_sin(size_t(T) * D + 1);
+  const AttentionTensors a{T, H, H * D, H * D, H * D};
+  auto through = [&](const bf16* qkv_at, const float* cos_sin_at, bf16* dqkv_at) {
+    flash_attention_backward_through_qk_norm(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(),
+                                             qkv_at, cos_sin_at, dqkv_at, dv.get(), a, *layout_mask.mask, 0);
+  };
+  CHECK_THROWS_WITH(through(qkv.get() + 1, cos_sin.get(), dqkv.get()), "flash attention: qkv must start 4-byte aligned");
+  CHECK_THROWS_WITH(through(qkv.get(), cos_sin.get() + 1, dqkv.get()),
+                    "flash attention: rope table must start 16-byte aligned");
+  CHECK_THROWS_WITH(through(qkv.get(), cos_sin.get(), dqkv.get() + 1), "flash attention: dqkv must start 4-byte aligned");
+  CHECK_THROWS_WITH(through(qkv.get(), nullptr, dqkv.get()),
+                    "flash attention through the QK norm: qkv, the rope table and dqkv are required");
 }
 
 // Both forwards run the same products and softmax steps in the same order on each row, so the
