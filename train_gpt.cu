@@ -107,7 +107,7 @@ struct Hyperparameters {
   std::string residual_add = "fused";  // fused or separate
   std::string mlp_fc = "cublaslt";     // cublaslt or fused (opt-in until measured on a GPU)
   std::string qkv = "cublaslt";        // cublaslt or fused (opt-in until measured on a GPU)
-  std::string qk_norm_backward = "separate";  // separate or fused (opt-in until measured on a GPU)
+  std::string qkv_backward = "separate";  // separate or fused (opt-in until measured on a GPU)
   int fp8_logits_algorithm = 0;        // cuBLASLt's heuristic answer for the FP8 logits (bench_kernels fp8 times them)
   std::string self_check = "fallback"; // fallback, strict or off
   bool self_check_only = false;        // run the self-check and exit
@@ -259,11 +259,11 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "the attention's qkv product, QK norm, RoPE and the value mix: cublaslt (cuBLASLt, then two passes) or "
        "fused (our GEMM with them in its epilogue; opt-in until measured faster on a GPU)",
        one_of(&h.qkv, {"cublaslt", "fused"}), "cublaslt or fused"},
-      {"qk-norm-backward", &h.qk_norm_backward,
-       "the QK norm's and RoPE's backward: separate (a pass over the attention backward's dq and dk) or fused "
-       "(where the fused flash backward stores them; needs --attention flash or flash-ws; opt-in until measured "
-       "faster on a GPU)",
-       one_of(&h.qk_norm_backward, {"separate", "fused"}), "separate or fused"},
+      {"qkv-backward", &h.qkv_backward,
+       "the backward of the QK norm, RoPE and the value mix: separate (passes over the attention backward's dq, dk "
+       "and dv) or fused (where the fused flash backward stores them: it writes dqkv; needs --attention flash or "
+       "flash-ws; opt-in until measured faster on a GPU)",
+       one_of(&h.qkv_backward, {"separate", "fused"}), "separate or fused"},
       {"fp8-logits-algorithm", &h.fp8_logits_algorithm,
        "which of cuBLASLt's heuristic algorithms the FP8 head's logits product takes: 0 its first; "
        "`bench_kernels fp8` times each at the model's shape",
@@ -437,8 +437,8 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
     if (name.rfind("diloco-", 0) == 0 && name != "diloco-groups" && h.diloco_groups <= 1)
       throw FlagError("--" + name + " has no effect without --diloco-groups 2 or more");
   }
-  if (h.qk_norm_backward == "fused" && (h.attention == "flash-split" || h.attention == "reference"))
-    throw FlagError("--qk-norm-backward fused needs the fused flash backward (--attention flash or flash-ws), not "
+  if (h.qkv_backward == "fused" && (h.attention == "flash-split" || h.attention == "reference"))
+    throw FlagError("--qkv-backward fused needs the fused flash backward (--attention flash or flash-ws), not "
                     "--attention " + h.attention);
   if (h.val_tokens % h.val_seq_len != 0)
     throw FlagError("--val-tokens " + std::to_string(h.val_tokens) + " is not a multiple of --val-seq-len " +
@@ -1360,22 +1360,24 @@ class GPT {
     LayerActivations& l = a.layers[i];
     const int d = c_.model_dim;
     linear_backward(l.y, params.weight(ParamKind::attn_proj, i), a.dx, a.dy, params.grad(ParamKind::attn_proj, i), d, d);
-    const bool norm_in_attention = attention_takes_qk_norm_backward(paths_);
-    if (norm_in_attention)  // the q and k thirds of dqkv straight from the attention backward: no dq, dk
-      flash_attention_backward_through_qk_norm(l.q, l.k, l.v, l.y, a.dy, l.lse, a.attention_scratch, l.qkv,
-                                               a.cos_sin, a.dqkv, a.dv, attention_shape(), mask(plan, i), stream_);
-    else
+    // v = sa0 v_raw + sa1 ve: dv_raw goes into the v third of dqkv; the ve table gets sa1 dv
+    const int table = c_.value_embed[i], s0 = c_.sa_lambda_index(i, 0), s1 = c_.sa_lambda_index(i, 1);
+    const bf16* ve = table >= 0 ? a.value_embedded[table] : nullptr;
+    float* dsa1 = ve ? scalar_grad(s1) : nullptr;
+    if (attention_takes_qkv_backward(paths_)) {  // dqkv straight from the attention backward (dv only for ve's table)
+      flash_attention_backward_into_dqkv(l.q, l.k, l.v, l.y, a.dy, l.lse, a.attention_scratch,
+                                         {l.qkv, a.cos_sin, scalar(s0), ve, a.dqkv, ve ? a.dv : nullptr}, scalar_grad(s0),
+                                         dsa1, attention_shape(), mask(plan, i), stream_);
+    } else {
       attention_backward_of(paths_)(l.q, l.k, l.v, l.y, a.dy, l.lse, a.attention_scratch, a.dq, a.dk, a.dv,
                                     attention_shape(), mask(plan, i), stream_);
-    // v = sa0 v_raw + sa1 ve: dv_raw goes into the v third of dqkv; the ve table gets sa1 dv
-    int table = c_.value_embed[i], s0 = c_.sa_lambda_index(i, 0), s1 = c_.sa_lambda_index(i, 1);
-    const bf16* ve = table >= 0 ? a.value_embedded[table] : nullptr;
-    weighted_sum_backward(a.dv, l.qkv + 2 * d, scalar(s0), scalar_grad(s0), ve, scalar(s1), ve ? scalar_grad(s1) : nullptr,
-                          a.dqkv + 2 * d, nullptr, /*accumulate_dy=*/false, T_, d, 3 * d, a.reduction_scratch, stream_);
+      weighted_sum_backward(a.dv, l.qkv + 2 * d, scalar(s0), scalar_grad(s0), ve, scalar(s1), dsa1, a.dqkv + 2 * d,
+                            nullptr, /*accumulate_dy=*/false, T_, d, 3 * d, a.reduction_scratch, stream_);
+      qk_norm_rope_backward(l.qkv, a.dq, a.dk, a.cos_sin, a.dqkv, T_, c_.num_heads, stream_);
+    }
     if (ve)
       embedding_backward(*plan.embedding_rows, a.dv, params.embedding_grad(table), scalar(s1), d, a.embedding_scratch,
                          stream_);
-    if (!norm_in_attention) qk_norm_rope_backward(l.qkv, a.dq, a.dk, a.cos_sin, a.dqkv, T_, c_.num_heads, stream_);
     linear_backward(l.h_attn, params.weight(ParamKind::qkv, i), a.dqkv, a.dh, params.grad(ParamKind::qkv, i), 3 * d, d);
     // (the norm of x_mixed: mix_norm_backward)
   }
@@ -2356,7 +2358,7 @@ inline KernelPaths paths_of(const Hyperparameters& h) {
   p.fused_residual_add = h.residual_add == "fused";
   p.fused_mlp_fc = h.mlp_fc == "fused";
   p.fused_qkv = h.qkv == "fused";
-  p.qk_norm_backward_in_attention = h.qk_norm_backward == "fused";
+  p.qkv_backward_in_attention = h.qkv_backward == "fused";
   p.fp8_logits_candidate = h.fp8_logits_algorithm;
   return p;
 }

@@ -295,9 +295,10 @@ inline void attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16*
 
 // Every attention backward takes scratch of this many floats: delta [H, T] first; the fused flash
 // backward then keeps dq's fp32 partial sums [H, T, 128] and its counters as ints (a ticket, then
-// a turn per head and 64 queries).
+// a turn per head and 64 queries), and last (--qkv-backward fused) the value mix's partial sums,
+// 2 per (head, 128 keys).
 inline size_t attention_backward_scratch_floats(int T, int H) {
-  return size_t(H) * T * (1 + kAttentionHeadDim) + 1 + size_t(H) * (T / 64);
+  return size_t(H) * T * (1 + kAttentionHeadDim) + 1 + size_t(H) * (T / 64) + 2 * size_t(H) * (T / 128);
 }
 
 // scratch: attention_backward_scratch_floats(T, H); dq, dk, dv: [T, H, 128]

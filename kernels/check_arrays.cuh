@@ -73,6 +73,24 @@ inline double relative_error(const std::vector<double>& out, const std::vector<d
   return std::sqrt(diff) / std::sqrt(norm);
 }
 
+// The root sum of squares of the terms of sum over [rows, d] of g x (g's rows d apart, x's x_stride
+// apart): the scale of the noise that a bf16 rounding of g puts into the sum, which itself may
+// cancel far below it. A scalar gradient's error is measured on this scale.
+inline double product_terms_scale(const double* g, const double* x, int rows, int d, int x_stride) {
+  double ss = 0;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < d; ++c) {
+      const double term = g[size_t(r) * d + c] * x[size_t(r) * x_stride + c];
+      ss += term * term;
+    }
+  return std::sqrt(ss);
+}
+
+// |out - ref| / scale; infinity when out is not finite.
+inline double error_on_scale(double out, double ref, double scale) {
+  return std::isfinite(out) ? std::fabs(out - ref) / scale : std::numeric_limits<double>::infinity();
+}
+
 inline bool all_finite(const std::vector<double>& v) {
   for (double x : v)
     if (!std::isfinite(x)) return false;

@@ -12,8 +12,8 @@
 // and dP) until the fused one has passed on a GPU. `--attention flash-ws` takes the
 // warp-specialised forward (forward_ws_kernel: TMA producer, consumer warpgroups in ping-pong),
 // bitwise the same as forward_kernel, until it has passed and measured faster on a GPU. With
-// `--qk-norm-backward fused` the fused backward stores, instead of dq and dk, the gradients of the
-// raw q and k through the QK norm and RoPE (QkNormGradient), until that has too.
+// `--qkv-backward fused` the fused backward stores, instead of dq, dk and dv, the gradient of the raw
+// qkv through the QK norm, RoPE and the value mix (QkvGradient), until that has too.
 //
 // Tiles live in shared memory in wgmma's 128-byte swizzle layout: two column halves of
 // [128 rows][8 chunks of 8 bf16], chunk c of row r stored at c ^ (r & 7), atoms of 8 rows
@@ -25,6 +25,7 @@
 #pragma once
 #include "kernels/attention.cuh"
 #include "kernels/ptx.cuh"
+#include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/tensor_map.cuh"
 #include "kernels/wgmma_tiles.cuh"
@@ -593,17 +594,22 @@ __device__ inline void wgmma_ds_k(float (&dq)[kDsRows / 8][4], const bf16* ds_ti
   ptx::wgmma_commit();
 }
 
-// The QK norm's and RoPE's backward (rope.cuh's qk_norm_rope_backward) where the fused backward
-// stores dq and dk (`--qk-norm-backward fused`): it writes, instead of dq and dk, the gradients of
-// the raw q and k, the q and k thirds of dqkv, from the raw qkv (each row's norm recomputed from its
-// sum of squares) and the rope table; the gradient goes through in fp32 (the pass read dq and dk
-// rounded to bf16). The pass over dq and dk goes.
-struct QkNormGradient {
-  const bf16* qkv;       // [T, 3, H, 128]: the raw projections q and k were made from
+// The backward of what the qkv product's outputs went through before attention (the QK norm and
+// RoPE of q and k: rope.cuh's qk_norm_rope_backward; v = sa0 v_raw + sa1 ve: weighted_sum_backward)
+// where the fused backward stores dq, dk and dv (`--qkv-backward fused`): it writes, instead of them,
+// the gradient of the raw qkv, dqkv, from the raw qkv (each q and k row's norm recomputed from its
+// sum of squares), the rope table and the mix's scalars, and the mix's scalar gradients. The
+// gradients go through in fp32 (the passes read dq, dk and dv rounded to bf16). The passes go.
+struct QkvGradient {
+  const bf16* qkv;       // [T, 3, H, 128]: the raw projections q, k and v were made from
   const float* cos_sin;  // [T, 64, 2] (rope_table_host)
-  bf16* dqkv;            // [T, 3, H, 128]: its q and k thirds are written
-  float eps;
-  // The start of head h's row of token t in the q (which 0) or k (1) third of qkv and dqkv.
+  const float* sa0;      // the value mix's v_raw scalar (device; sa1 is needed only for ve's own gradient)
+  const bf16* ve;        // [T, H, 128] the value embedding, or null (v = sa0 v_raw)
+  bf16* dqkv;            // [T, 3, H, 128]: written whole
+  bf16* dv;              // [T, H, 128] dv itself too (ve's embedding backward reads it), or null
+  float eps = kRmsEps;
+  float* value_mix_partials = nullptr;  // the CTAs' sums of dv v_raw, then of dv ve: [2][H, T / 128] (the launcher's)
+  // The start of head h's row of token t in the q (which 0), k (1) or v (2) third of qkv and dqkv.
   __device__ size_t row(int t, int which, int h, int H) const {
     return (size_t(t) * 3 + which) * H * kAttentionHeadDim + size_t(h) * kAttentionHeadDim;
   }
@@ -649,13 +655,13 @@ __device__ inline void store_norm_backward(bf16* dx, const bf16* x, const float 
 // A warp's 16 keys of dk (the accumulator times `scale`) through the norm's and RoPE's backward,
 // as the k third of dqkv. A row's 128 columns sit in a quad (its sums are two shuffles), RoPE's pairs
 // (j, j + 64) in one thread (n and n + 8; only j < 32 turn: the table holds cos 1, sin 0 beyond).
-__device__ inline void store_k_rows_through_norm(const float (&acc)[kAttentionHeadDim / 8][4], int first_token, int h,
-                                                 int H, float scale, const QkNormGradient& norm) {
+__device__ inline void store_k_rows_into_dqkv(const float (&acc)[kAttentionHeadDim / 8][4], int first_token, int h,
+                                                 int H, float scale, const QkvGradient& grad) {
   constexpr int kN = kAttentionHeadDim / 8;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int t = first_token + fragment_row(2 * half);
-    const float* angles = norm.cos_sin + size_t(t) * kRopeHeadDim;
+    const float* angles = grad.cos_sin + size_t(t) * kRopeHeadDim;
     float g[kN][2];
 #pragma unroll
     for (int n = 0; n < kN; ++n) g[n][0] = acc[n][2 * half] * scale, g[n][1] = acc[n][2 * half + 1] * scale;
@@ -665,10 +671,38 @@ __device__ inline void store_k_rows_through_norm(const float (&acc)[kAttentionHe
       rope_unrotate(g[n][0], g[n + kN / 2][0], cs.x, cs.y);
       rope_unrotate(g[n][1], g[n + kN / 2][1], cs.z, cs.w);
     }
-    const size_t at = norm.row(t, 1, h, H);
-    const float2 sums = norm_backward_sums(norm.qkv + at, g);
-    store_norm_backward(norm.dqkv + at, norm.qkv + at, g, make_float2(quad_sum(sums.x), quad_sum(sums.y)), norm.eps);
+    const size_t at = grad.row(t, 1, h, H);
+    const float2 sums = norm_backward_sums(grad.qkv + at, g);
+    store_norm_backward(grad.dqkv + at, grad.qkv + at, g, make_float2(quad_sum(sums.x), quad_sum(sums.y)), grad.eps);
   }
+}
+
+// A warp's 16 keys of dv through the value mix's backward, as the v third of dqkv (sa0 dv) and dv
+// itself where grad.dv asks for it; returns the thread's shares of sum(dv v_raw) and sum(dv ve),
+// the gradients of sa0 and sa1.
+__device__ inline float2 store_v_rows_into_dqkv(const float (&acc)[kAttentionHeadDim / 8][4], int first_token, int h,
+                                                int H, const QkvGradient& grad) {
+  const float alpha = *grad.sa0;
+  float dot_raw = 0, dot_ve = 0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = first_token + fragment_row(2 * half);
+    const size_t at = grad.row(t, 2, h, H), own = (size_t(t) * H + h) * kAttentionHeadDim;
+#pragma unroll
+    for (int n = 0; n < kAttentionHeadDim / 8; ++n) {
+      const int col = fragment_col(n, 0);
+      const float d0 = acc[n][2 * half], d1 = acc[n][2 * half + 1];
+      const __nv_bfloat162 raw = *reinterpret_cast<const __nv_bfloat162*>(grad.qkv + at + col);
+      dot_raw += d0 * __low2float(raw) + d1 * __high2float(raw);
+      if (grad.ve) {
+        const __nv_bfloat162 ve = *reinterpret_cast<const __nv_bfloat162*>(grad.ve + own + col);
+        dot_ve += d0 * __low2float(ve) + d1 * __high2float(ve);
+      }
+      if (grad.dv) *reinterpret_cast<uint32_t*>(grad.dv + own + col) = pack_bf16(d0, d1);
+      *reinterpret_cast<uint32_t*>(grad.dqkv + at + col) = pack_bf16(alpha * d0, alpha * d1);
+    }
+  }
+  return make_float2(dot_raw, dot_ve);
 }
 
 // The last contributor's dq rows through the norm's and RoPE's backward, as the q third of dqkv: g
@@ -678,8 +712,8 @@ __device__ inline void store_k_rows_through_norm(const float (&acc)[kAttentionHe
 // tile's 16 KB, [2 groups][64 rows][32], free until the next half's barrier; columns swizzled by
 // the row, so that a warp's stores hit distinct banks), the rows' partial sums through `row_sums`
 // [2 groups][64 rows], added in group order by both warpgroups (one norm for the row).
-__device__ inline void store_q_rows_through_norm(float (&g)[kDsRows / 8][4], int q_first, int h, int H,
-                                                 const QkNormGradient& norm, float* exchange, float2* row_sums) {
+__device__ inline void store_q_rows_into_dqkv(float (&g)[kDsRows / 8][4], int q_first, int h, int H,
+                                                 const QkvGradient& grad, float* exchange, float2* row_sums) {
   constexpr int kN = kDsRows / 8, kTurning = kAttentionHeadDim / 4;
   const int warp = threadIdx.x / 32, group = warp / 4;
   auto row_of = [&](int half) { return warp % 4 * 16 + fragment_row(2 * half); };
@@ -697,7 +731,7 @@ __device__ inline void store_q_rows_through_norm(float (&g)[kDsRows / 8][4], int
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row_of(half), t = q_first + row;
-    const float* angles = norm.cos_sin + size_t(t) * kRopeHeadDim;
+    const float* angles = grad.cos_sin + size_t(t) * kRopeHeadDim;
 #pragma unroll
     for (int n = 0; n < kN; ++n) turned[half][n][0] = g[n][2 * half], turned[half][n][1] = g[n][2 * half + 1];
 #pragma unroll
@@ -712,7 +746,7 @@ __device__ inline void store_q_rows_through_norm(float (&g)[kDsRows / 8][4], int
         else rope_unrotate(partner[e], turned[half][n][e], c, s);
       }
     }
-    const float2 sums = norm_backward_sums(norm.qkv + norm.row(t, 0, h, H) + group * kDsRows, turned[half]);
+    const float2 sums = norm_backward_sums(grad.qkv + grad.row(t, 0, h, H) + group * kDsRows, turned[half]);
     const float2 quad = make_float2(quad_sum(sums.x), quad_sum(sums.y));
     if (threadIdx.x % 4 == 0) row_sums[group * kDsRows + row] = quad;
   }
@@ -721,36 +755,37 @@ __device__ inline void store_q_rows_through_norm(float (&g)[kDsRows / 8][4], int
   for (int half = 0; half < 2; ++half) {
     const int row = row_of(half), t = q_first + row;
     const float2 first = row_sums[row], second = row_sums[kDsRows + row];
-    const size_t at = norm.row(t, 0, h, H) + group * kDsRows;
-    store_norm_backward(norm.dqkv + at, norm.qkv + at, turned[half],
-                        make_float2(first.x + second.x, first.y + second.y), norm.eps);
+    const size_t at = grad.row(t, 0, h, H) + group * kDsRows;
+    store_norm_backward(grad.dqkv + at, grad.qkv + at, turned[half],
+                        make_float2(first.x + second.x, first.y + second.y), grad.eps);
   }
 }
 
 // Asks L2 for the 128 rows of 128 bf16 (two lines a row) from `first` on, rows `stride` apart, a line
-// a thread: what a tail of the CTA reads later (the norm's raw q or k rows), so that it waits less.
+// a thread: what a tail of the CTA reads later (raw q, k or v rows, ve's), so that it waits less.
 __device__ inline void prefetch_tile_rows(const bf16* first, int64_t stride) {
   static_assert(kThreads == 2 * kTile, "a line a thread");
   ptx::prefetch_l2(first + int64_t(threadIdx.x / 2) * stride + threadIdx.x % 2 * 64);
 }
 
-// Where the fused backward's last dq contributors write: dq, or (through the QK norm) dqkv's q third,
+// Where the fused backward's last dq contributors write: dq, or (into_dqkv) dqkv's q third,
 // with the shared memory that takes.
 struct DqOutput {
   bf16* dq;
-  QkNormGradient norm;
+  QkvGradient grad;
   float* exchange;
   float2* row_sums;
 };
 
 // Adds the CTA's dq contribution to the 64 queries from token q_first of head h, in its turn of
 // `contributors`; each warpgroup holds 64 of the 128 columns (the accumulator of wgmma_ds_k). The
-// last contributor writes the sum in bf16 (through_norm: through the QK norm's and RoPE's backward).
+// last contributor writes the sum in bf16 (into_dqkv: through the QK norm's and RoPE's backward into
+// dqkv).
 // Returns the counter the contribution must still move on (null for the last contributor, which
 // ends the sum): release_dq_turn does it after the CTA's next block barrier, by when the fp32
 // reductions have long reached L2, so that the fence waits for nothing (done here, right after
 // them, it waited out their round trip, and the whole CTA with it at the next barrier).
-template <bool through_norm>
+template <bool into_dqkv>
 __device__ inline int* add_dq_contribution(float (&part)[kDsRows / 8][4], const DqPartialSums& s, const DqOutput& out,
                                            const AttentionTensors& a, int h, int q_first, int turn,
                                            int contributors) {
@@ -786,8 +821,8 @@ __device__ inline int* add_dq_contribution(float (&part)[kDsRows / 8][4], const 
       }
       part[n][2 * half] = v.x * kAttentionScale, part[n][2 * half + 1] = v.y * kAttentionScale;
     }
-  if constexpr (through_norm) {
-    store_q_rows_through_norm(part, q_first, h, a.H, out.norm, out.exchange, out.row_sums);
+  if constexpr (into_dqkv) {
+    store_q_rows_into_dqkv(part, q_first, h, a.H, out.grad, out.exchange, out.row_sums);
   } else {
 #pragma unroll
     for (int n = 0; n < kDsRows / 8; ++n)
@@ -817,23 +852,23 @@ __device__ inline void release_dq_turn(int* counter) {
 // list this kv block, 64 queries at a time; the warps own 16 keys each, so scores are transposed.
 // With fused_dq (the fused backward) the same dS also gives dq: each 64-query half of dS goes to
 // shared memory as [queries][keys], and dS K is added to dq's partial sums (DqPartialSums) in turn.
-// With through_norm (fused_dq only) dq and dk go through the QK norm's and RoPE's backward into
-// norm.dqkv instead of dq and dk (QkNormGradient).
-template <bool fused_dq, bool through_norm = false>
+// With into_dqkv (fused_dq only) dq, dk and dv go through the backward of the QK norm, RoPE and the
+// value mix into grad.dqkv instead of dq, dk and dv (QkvGradient).
+template <bool fused_dq, bool into_dqkv = false>
 __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                 const bf16* dy, const float* lse, const float* delta,
                                                                 bf16* dq, bf16* dk, bf16* dv, DqPartialSums dq_sums,
-                                                                QkNormGradient norm, AttentionTensors a,
+                                                                QkvGradient grad, AttentionTensors a,
                                                                 DeviceAttentionMask m) {
-  static_assert(fused_dq || !through_norm, "the norm's backward rides on the fused backward's dq sums");
+  static_assert(fused_dq || !into_dqkv, "dq's part rides on the fused backward's dq sums");
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // K, V, per stage Q and dY, then (fused) dS
   bf16 *k_tile = tiles, *v_tile = tiles + kTileElements, *ds_tile = tiles + (2 + 2 * kStages) * kTileElements;
   __shared__ __align__(16) int32_t stage_start[kStages][kTile];  // the query tiles' document starts
   __shared__ __align__(16) float stage_lse[kStages][kTile], stage_delta[kStages][kTile];
   __shared__ int work;  // the fused backward's (head, kv block), by ticket
-  __shared__ float2 dq_row_sums[through_norm ? 2 * kDsRows : 1];  // store_q_rows_through_norm's
-  const DqOutput dq_out{dq, norm, reinterpret_cast<float*>(ds_tile), dq_row_sums};
+  __shared__ float2 dq_row_sums[into_dqkv ? 2 * kDsRows : 1];  // store_q_rows_into_dqkv's
+  const DqOutput dq_out{dq, grad, reinterpret_cast<float*>(ds_tile), dq_row_sums};
   if constexpr (fused_dq) {
     if (threadIdx.x == 0) work = atomicAdd(dq_sums.ticket, 1);
     __syncthreads();
@@ -871,10 +906,14 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     const int32_t* q_start = stage_start[stage];
     const float *q_lse = stage_lse[stage], *q_delta = stage_delta[stage];
     const bool masked = needs_mask(qb, kb, q_start[kTile - 1]);
-    if constexpr (through_norm) {  // the raw rows the norm's tails read: q's where this CTA ends dq, k's at the end
+    if constexpr (into_dqkv) {  // the rows the tails read: raw q where this CTA ends dq, raw k, v and ve at the end
       const int64_t raw_stride = 3 * int64_t(a.H) * kAttentionHeadDim;
-      if (m.q_turn[kb * m.max_q + j] + 1 == m.kv_count[qb]) prefetch_tile_rows(norm.qkv + norm.row(q0, 0, h, a.H), raw_stride);
-      if (j + 1 == count) prefetch_tile_rows(norm.qkv + norm.row(k0, 1, h, a.H), raw_stride);
+      if (m.q_turn[kb * m.max_q + j] + 1 == m.kv_count[qb]) prefetch_tile_rows(grad.qkv + grad.row(q0, 0, h, a.H), raw_stride);
+      if (j + 1 == count) {
+        prefetch_tile_rows(grad.qkv + grad.row(k0, 1, h, a.H), raw_stride);
+        prefetch_tile_rows(grad.qkv + grad.row(k0, 2, h, a.H), raw_stride);
+        if (grad.ve) prefetch_tile_rows(grad.ve + (size_t(k0) * a.H + h) * kAttentionHeadDim, dy_stride);
+      }
     }
     for (int half = 0; half < kTile / kQueries; ++half) {
       float st[N][4], dpt[N][4];  // [64 keys x 64 queries] per warpgroup
@@ -901,7 +940,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
         float dq_part[kDsRows / 8][4];
         wgmma_ds_k(dq_part, ds_tile, k_tile, warp / 4);
         wgmma_wait_all(dv_acc, dk_acc, dq_part);
-        pending_turn = add_dq_contribution<through_norm>(dq_part, dq_sums, dq_out, a, h, q0 + half * kQueries,
+        pending_turn = add_dq_contribution<into_dqkv>(dq_part, dq_sums, dq_out, a, h, q0 + half * kQueries,
                                                          m.q_turn[kb * m.max_q + j], m.kv_count[qb]);
       } else {
         // now, not at the next half: P and dS in flight beside the next scores would spill registers
@@ -913,9 +952,18 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     __syncthreads();  // the last half's sums are in
     release_dq_turn(pending_turn);
   }
-  store_rows(dv, dv_acc, k0 + warp * 16, h, a.H, 1.0f, 1.0f);  // first: its registers are free for dk's norm
-  if constexpr (through_norm) store_k_rows_through_norm(dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, norm);
-  else store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
+  if constexpr (into_dqkv) {  // dv first: its registers are free for dk's norm
+    const float2 shares = store_v_rows_into_dqkv(dv_acc, k0 + warp * 16, h, a.H, grad);
+    const float sum_raw = block_sum(shares.x), sum_ve = block_sum(shares.y);  // in a fixed order
+    if (threadIdx.x == 0) {
+      grad.value_mix_partials[h * m.num_blocks + kb] = sum_raw;
+      grad.value_mix_partials[(a.H + h) * m.num_blocks + kb] = sum_ve;
+    }
+    store_k_rows_into_dqkv(dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, grad);
+  } else {
+    store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
+    store_rows(dv, dv_acc, k0 + warp * 16, h, a.H, 1.0f, 1.0f);
+  }
 }
 
 template <typename Kernel>
@@ -1009,18 +1057,18 @@ inline void flash_attention_backward_start(const bf16* q, const bf16* k, const b
 }
 
 // The fused backward's kernel (after flash_attention_backward_start), its counters zeroed first.
-template <bool through_norm>
+template <bool into_dqkv>
 void launch_fused_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* dy, const float* lse,
-                           float* scratch, bf16* dq, bf16* dk, bf16* dv, const flash::QkNormGradient& norm,
+                           float* scratch, bf16* dq, bf16* dk, bf16* dv, const flash::QkvGradient& grad,
                            const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
   const size_t statistics = size_t(a.H) * a.T;
   int* counters = reinterpret_cast<int*>(scratch + statistics * (1 + kAttentionHeadDim));
   const flash::DqPartialSums sums{scratch + statistics, counters, counters + 1};
   CUDA_CHECK(cudaMemsetAsync(counters, 0, (1 + statistics / flash::kDsRows) * sizeof(int), stream));
   const size_t smem = flash::kFusedBackwardSharedBytes;
-  flash::set_shared_memory(flash::backward_dkv_kernel<true, through_norm>, smem);
-  flash::backward_dkv_kernel<true, through_norm><<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(
-      q, k, v, dy, lse, scratch, dq, dk, dv, sums, norm, a, mask.device());
+  flash::set_shared_memory(flash::backward_dkv_kernel<true, into_dqkv>, smem);
+  flash::backward_dkv_kernel<true, into_dqkv><<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(
+      q, k, v, dy, lse, scratch, dq, dk, dv, sums, grad, a, mask.device());
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1034,28 +1082,34 @@ inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v
       q, k, v, y, dy, lse, scratch,
       {{"dq", dq, kFlashWrittenAlignment}, {"dk", dk, kFlashWrittenAlignment}, {"dv", dv, kFlashWrittenAlignment}}, a,
       mask, stream);
-  launch_fused_backward<false>(q, k, v, dy, lse, scratch, dq, dk, dv, flash::QkNormGradient{}, a, mask, stream);
+  launch_fused_backward<false>(q, k, v, dy, lse, scratch, dq, dk, dv, flash::QkvGradient{}, a, mask, stream);
 }
 
-// The fused backward with the QK norm's and RoPE's backward where it stores dq and dk
-// (`--qk-norm-backward fused`, flash::QkNormGradient): the q and k thirds of dqkv [T, 3, H, 128],
-// what qk_norm_rope_backward makes of dq and dk, instead of them (its v third is not touched); dv
-// as flash_attention_backward. qkv [T, 3, H, 128]: the raw projections q and k were made from
-// (qk_norm_rope_forward), with the rope table cos_sin [T, 64, 2].
-inline void flash_attention_backward_through_qk_norm(const bf16* q, const bf16* k, const bf16* v, const bf16* y,
-                                                     const bf16* dy, const float* lse, float* scratch, const bf16* qkv,
-                                                     const float* cos_sin, bf16* dqkv, bf16* dv,
-                                                     const AttentionTensors& a, const AttentionMask& mask,
-                                                     cudaStream_t stream, float eps = kRmsEps) {
-  if (!qkv || !cos_sin || !dqkv)
-    throw std::invalid_argument("flash attention through the QK norm: qkv, the rope table and dqkv are required");
-  // qkv is read and dqkv written a bf16 pair at a time, the table 16 bytes (two pairs' angles) at a time
+// The fused backward with the backward of the QK norm, RoPE and the value mix where it stores dq, dk
+// and dv (`--qkv-backward fused`, flash::QkvGradient): dqkv [T, 3, H, 128] whole, what
+// qk_norm_rope_backward and weighted_sum_backward make of dq, dk and dv, instead of them (dv too
+// where grad.dv asks), and the mix's scalar gradients dsa0 += sum(dv v_raw), dsa1 += sum(dv ve)
+// (with ve only; the CTAs' sums added in a fixed order).
+inline void flash_attention_backward_into_dqkv(const bf16* q, const bf16* k, const bf16* v, const bf16* y,
+                                               const bf16* dy, const float* lse, float* scratch, flash::QkvGradient grad,
+                                               float* dsa0, float* dsa1, const AttentionTensors& a,
+                                               const AttentionMask& mask, cudaStream_t stream) {
+  if (!grad.qkv || !grad.cos_sin || !grad.sa0 || !grad.dqkv || !dsa0 || bool(grad.ve) != bool(dsa1))
+    throw std::invalid_argument("flash attention into dqkv: qkv, the rope table, sa0, dqkv and dsa0 are required, and "
+                                "dsa1 exactly with ve");
+  // qkv, ve read and dqkv, dv written a bf16 pair at a time, the table 16 bytes (two pairs' angles) at a time
   flash_attention_backward_start(q, k, v, y, dy, lse, scratch,
-                                 {{"qkv", qkv, kFlashWrittenAlignment}, {"rope table", cos_sin, kFlashCopiedAlignment},
-                                  {"dqkv", dqkv, kFlashWrittenAlignment}, {"dv", dv, kFlashWrittenAlignment}},
+                                 {{"qkv", grad.qkv, kFlashWrittenAlignment},
+                                  {"rope table", grad.cos_sin, kFlashCopiedAlignment},
+                                  {"ve", grad.ve, kFlashWrittenAlignment},
+                                  {"dqkv", grad.dqkv, kFlashWrittenAlignment},
+                                  {"dv", grad.dv, kFlashWrittenAlignment}},
                                  a, mask, stream);
-  launch_fused_backward<true>(q, k, v, dy, lse, scratch, nullptr, nullptr, dv,
-                              flash::QkNormGradient{qkv, cos_sin, dqkv, eps}, a, mask, stream);
+  const int ctas = a.T / flash::kTile * a.H;
+  grad.value_mix_partials = scratch + attention_backward_scratch_floats(a.T, a.H) - 2 * size_t(ctas);
+  launch_fused_backward<true>(q, k, v, dy, lse, scratch, nullptr, nullptr, nullptr, grad, a, mask, stream);
+  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(grad.value_mix_partials, ctas, dsa0, dsa1);
+  CUDA_CHECK_LAUNCH();
 }
 
 // The backward as two kernels that each recompute the scores (`--attention flash-split`): dq per
@@ -1075,6 +1129,6 @@ inline void flash_attention_backward_split(const bf16* q, const bf16* k, const b
   CUDA_CHECK_LAUNCH();
   flash::set_shared_memory(flash::backward_dkv_kernel<false>, smem);
   flash::backward_dkv_kernel<false><<<grid, flash::kThreads, smem, stream>>>(
-      q, k, v, dy, lse, scratch, nullptr, dk, dv, flash::DqPartialSums{}, flash::QkNormGradient{}, a, mask.device());
+      q, k, v, dy, lse, scratch, nullptr, dk, dv, flash::DqPartialSums{}, flash::QkvGradient{}, a, mask.device());
   CUDA_CHECK_LAUNCH();
 }

@@ -15,9 +15,9 @@
 //     (gemm_epilogue.cuh; opt-in: checked only where --mlp-fc fused asks for it)
 //   the qkv product with QK norm, RoPE and   --qkv cublaslt: cuBLASLt's product, then the two passes
 //     the value mix in our GEMM's epilogue (qkv_epilogue.cuh; opt-in: --qkv fused)
-//   the QK norm's and RoPE's backward where  --qk-norm-backward separate: the attention backward,
-//     the fused attention backward stores      then the pass over dq and dk
-//     dq and dk (flash_attention.cuh; opt-in: --qk-norm-backward fused)
+//   the backward of the QK norm, RoPE and    --qkv-backward separate: the attention backward,
+//     the value mix where the fused attention  then the passes over dq, dk and dv
+//     backward stores dq, dk and dv (flash_attention.cuh; opt-in: --qkv-backward fused)
 #pragma once
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
@@ -49,8 +49,8 @@ struct KernelPaths {
   bool fused_residual_add = true;
   bool fused_mlp_fc = false;  // opt-in (--mlp-fc fused) until measured on a GPU
   bool fused_qkv = false;     // opt-in (--qkv fused) until measured on a GPU
-  // opt-in (--qk-norm-backward fused) until measured on a GPU; taken only with the fused flash backward
-  bool qk_norm_backward_in_attention = false;
+  // opt-in (--qkv-backward fused) until measured on a GPU; taken only with the fused flash backward
+  bool qkv_backward_in_attention = false;
   // Not a fast path: which of cuBLASLt's algorithms the FP8 logits product takes (--fp8-logits-algorithm;
   // the self-check's small product has other candidates, so it checks the heuristic's first).
   int fp8_logits_candidate = 0;
@@ -70,10 +70,10 @@ inline AttentionBackward attention_backward_of(const KernelPaths& p) {
   return p.fused_attention_backward ? flash_attention_backward : flash_attention_backward_split;
 }
 
-// Whether the attention backward a run's paths select also does the QK norm's and RoPE's backward
-// (flash_attention_backward_through_qk_norm): asked for, and the fused flash backward in use.
-inline bool attention_takes_qk_norm_backward(const KernelPaths& p) {
-  return p.qk_norm_backward_in_attention && p.flash_attention && p.fused_attention_backward;
+// Whether the attention backward a run's paths select also does the backward of the QK norm, RoPE
+// and the value mix (flash_attention_backward_into_dqkv): asked for, and the fused flash backward in use.
+inline bool attention_takes_qkv_backward(const KernelPaths& p) {
+  return p.qkv_backward_in_attention && p.flash_attention && p.fused_attention_backward;
 }
 
 // A fast path: its KernelPaths member, its name in the log, the flag that selects its reference,
@@ -98,8 +98,8 @@ inline const std::vector<FastPath>& fast_paths() {
        Fault::wrong_fused_residual_add},
       {&KernelPaths::fused_mlp_fc, "fused MLP fc", "--mlp-fc cublaslt", Fault::wrong_fused_mlp_fc, /*opt_in=*/true},
       {&KernelPaths::fused_qkv, "fused qkv", "--qkv cublaslt", Fault::wrong_fused_qkv, /*opt_in=*/true},
-      {&KernelPaths::qk_norm_backward_in_attention, "QK norm backward in attention", "--qk-norm-backward separate",
-       Fault::wrong_qk_norm_backward, /*opt_in=*/true},
+      {&KernelPaths::qkv_backward_in_attention, "qkv backward in attention", "--qkv-backward separate",
+       Fault::wrong_qkv_backward, /*opt_in=*/true},
   };
   return paths;
 }
@@ -205,39 +205,58 @@ inline double attention_error(const SelfCheckShape& s, const KernelPaths& in_use
   return worst;
 }
 
-// The fused attention backward through the QK norm's and RoPE's backward against the fused
-// backward, then the pass, on one layout and window, q and k the norm and rotation of a random raw
-// qkv as the model makes them: the worst error of dqkv (its v third untouched by both) and dv.
-inline double qk_norm_backward_error(const SelfCheckShape& s, const uint16_t* tokens, uint16_t bos, int window,
-                                     cudaStream_t stream) {
+// The fused attention backward into dqkv (through the QK norm's, RoPE's and the value mix's
+// backward) against the fused backward, then the passes, on one layout and window, q and k the norm
+// and rotation of a random raw qkv and v its mix with a value embedding, as the model makes them: the
+// worst error of dqkv, dv and the mix's scalar gradients (these on their terms' scale: they are sums
+// of T d products that cancel, product_terms_scale).
+inline double qkv_backward_error(const SelfCheckShape& s, const uint16_t* tokens, uint16_t bos, int window,
+                                 cudaStream_t stream) {
   const int T = s.attention_tokens, H = s.num_heads, d = s.model_dim;
   const CheckMask check_mask(tokens, T, bos, window, stream);
   const AttentionMask& mask = *check_mask.mask;
   const size_t n = size_t(T) * d;
   std::vector<float> table;
   rope_table_host(T, table);
-  DeviceBuffer<float> cos_sin(table), lse(size_t(T) * H), scratch(attention_backward_scratch_floats(T, H));
-  DeviceBuffer<bf16> qkv(random_bf16(3 * n, 1.0, 51)), v(random_bf16(n, 1.0, 52)), dy(random_bf16(n, 1.0, 53)), q(n),
-      k(n), y(n);
+  DeviceBuffer<float> cos_sin(table), sa(std::vector<float>{0.75f, -0.375f}), lse(size_t(T) * H),
+      scratch(attention_backward_scratch_floats(T, H)), reduction(kScalarReductionScratchFloats);
+  DeviceBuffer<bf16> qkv(random_bf16(3 * n, 1.0, 51)), ve(random_bf16(n, 1.0, 52)), dy(random_bf16(n, 1.0, 53)), q(n),
+      k(n), v(n), y(n);
   qk_norm_rope_forward(qkv.get(), cos_sin.get(), q.get(), k.get(), T, H, stream);
+  weighted_sum_forward(qkv.get() + 2 * d, sa.get(), ve.get(), sa.get() + 1, v.get(), T, d, 3 * d, stream);
   const AttentionTensors a{T, H, d, d, d};
   flash_attention_forward(q.get(), k.get(), v.get(), y.get(), lse.get(), a, mask, stream);
-  std::vector<double> outputs[2][2];  // [through the norm, then the pass][dqkv, dv]
+  std::vector<double> outputs[2][3];  // [into dqkv, then the passes][dqkv, dv, (dsa0, dsa1)]
   for (int separate = 0; separate < 2; ++separate) {
-    DeviceBuffer<bf16> dqkv(std::vector<bf16>(3 * n, __float2bfloat16(0.0f))), dv(n);
+    DeviceBuffer<bf16> dqkv(3 * n), dv(n);
+    DeviceBuffer<float> dsa(std::vector<float>{0.0f, 0.0f});
     if (separate) {
       DeviceBuffer<bf16> dq(n), dk(n);
       flash_attention_backward(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(), dq.get(),
                                dk.get(), dv.get(), a, mask, stream);
+      weighted_sum_backward(dv.get(), qkv.get() + 2 * d, sa.get(), dsa.get(), ve.get(), sa.get() + 1, dsa.get() + 1,
+                            dqkv.get() + 2 * d, nullptr, false, T, d, 3 * d, reduction.get(), stream);
       qk_norm_rope_backward(qkv.get(), dq.get(), dk.get(), cos_sin.get(), dqkv.get(), T, H, stream);
     } else {
-      flash_attention_backward_through_qk_norm(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(),
-                                               qkv.get(), cos_sin.get(), dqkv.get(), dv.get(), a, mask, stream);
+      flash_attention_backward_into_dqkv(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(),
+                                         {qkv.get(), cos_sin.get(), sa.get(), ve.get(), dqkv.get(), dv.get()},
+                                         dsa.get(), dsa.get() + 1, a, mask, stream);
     }
     outputs[separate][0] = to_double(dqkv.download()), outputs[separate][1] = to_double(dv.download());
+    outputs[separate][2] = to_double(dsa.download());
   }
-  return std::max(fast_path_error(outputs[0][0], outputs[1][0], Fault::wrong_qk_norm_backward),
-                  fast_path_error(outputs[0][1], outputs[1][1], Fault::wrong_qk_norm_backward));
+  double worst = 0;
+  for (int i = 0; i < 2; ++i)
+    worst = std::max(worst, fast_path_error(outputs[0][i], outputs[1][i], Fault::wrong_qkv_backward));
+  const std::vector<double> raw = to_double(qkv.download()), embedding = to_double(ve.download());
+  const double* dv = outputs[1][1].data();
+  const double scales[2] = {product_terms_scale(dv, raw.data() + 2 * d, T, d, 3 * d),
+                            product_terms_scale(dv, embedding.data(), T, d, d)};
+  for (int i = 0; i < 2; ++i) {
+    const double fast = outputs[0][2][i] * (injected_fault() == Fault::wrong_qkv_backward ? 1.25 : 1.0);
+    worst = std::max(worst, error_on_scale(fast, outputs[1][2][i], scales[i]));
+  }
+  return worst;
 }
 
 // FP8 bytes as the bf16 values they encode (exact: bf16 holds every e4m3 and e5m2 value).
@@ -459,10 +478,10 @@ inline std::vector<SelfCheckResult> run_self_check(const SelfCheckShape& s, cons
       DeviceBuffer<float> cos_sin(table);
       return std::vector<double>{qkv_error(s.residual_rows, width, cos_sin.get(), matmul, stream)};
     });
-  if (attention_takes_qk_norm_backward(in_use))  // the record's window: up to 14 dq contributors a block
-    add_results(results, {{"QK norm backward in attention, window 14", &KernelPaths::qk_norm_backward_in_attention,
+  if (attention_takes_qkv_backward(in_use))  // the record's window: up to 14 dq contributors a block
+    add_results(results, {{"qkv backward in attention, window 14", &KernelPaths::qkv_backward_in_attention,
                            kBf16PathsBound}},
-                [&] { return std::vector<double>{qk_norm_backward_error(s, tokens, bos, 14, stream)}; });
+                [&] { return std::vector<double>{qkv_backward_error(s, tokens, bos, 14, stream)}; });
   if (in_use.fused_residual_add)
     for (int k : {d, 4 * d})
       add_results(results, {{"residual as cuBLASLt's C, k = " + std::to_string(k), &KernelPaths::fused_residual_add,

@@ -109,18 +109,18 @@ TEST_CASE("the fast paths' flags select their references; the self-check's modes
   for (const FastPath& p : fast_paths()) CHECK(fast.*p.member == !p.opt_in);  // opt-in paths only when asked
   CHECK(paths_of(parsed({"--mlp-fc", "fused"})).fused_mlp_fc);
   CHECK(paths_of(parsed({"--qkv", "fused"})).fused_qkv);
-  // --qk-norm-backward fused: taken by the fused flash backward (flash, flash-ws), refused without it;
+  // --qkv-backward fused: taken by the fused flash backward (flash, flash-ws), refused without it;
   // a self-check that replaced flash attention by its reference takes the pass again
-  CHECK(!attention_takes_qk_norm_backward(fast));
+  CHECK(!attention_takes_qkv_backward(fast));
   for (const char* attention : {"flash", "flash-ws"})
-    CHECK(attention_takes_qk_norm_backward(paths_of(parsed({"--qk-norm-backward", "fused", "--attention", attention}))));
+    CHECK(attention_takes_qkv_backward(paths_of(parsed({"--qkv-backward", "fused", "--attention", attention}))));
   for (const char* attention : {"flash-split", "reference"})
-    CHECK_THROWS_WITH(parse_only({"--qk-norm-backward", "fused", "--attention", attention}),
-                      "--qk-norm-backward fused needs the fused flash backward (--attention flash or flash-ws), not "
+    CHECK_THROWS_WITH(parse_only({"--qkv-backward", "fused", "--attention", attention}),
+                      "--qkv-backward fused needs the fused flash backward (--attention flash or flash-ws), not "
                       "--attention ");
-  KernelPaths fell_back = paths_of(parsed({"--qk-norm-backward", "fused"}));
+  KernelPaths fell_back = paths_of(parsed({"--qkv-backward", "fused"}));
   fell_back.flash_attention = false;
-  CHECK(!attention_takes_qk_norm_backward(fell_back));
+  CHECK(!attention_takes_qkv_backward(fell_back));
   KernelPaths references = paths_of(parsed({"--attention", "reference", "--bf16-head", "--fp8-gradient=cast", "--muon",
                                             "per-matrix", "--residual-add", "separate", "--mlp-fc", "cublaslt", "--qkv",
                                             "cublaslt"}));

@@ -463,8 +463,13 @@ void bench_attention(const Peaks& peaks) {
   bf16 *y = device_alloc<bf16>(size_t(T) * D), *dq = device_alloc<bf16>(size_t(T) * D);
   bf16 *dk = device_alloc<bf16>(size_t(T) * D), *dv = device_alloc<bf16>(size_t(T) * D);
   float *lse = device_alloc<float>(size_t(T) * H), *scratch = device_alloc<float>(attention_backward_scratch_floats(T, H));
-  // the raw qkv and dqkv of the QK norm's and RoPE's backward (--qk-norm-backward: the pass, or in the backward)
+  // the backward of the QK norm, RoPE and the value mix (--qkv-backward: passes, or in the attention
+  // backward): the raw qkv, a value embedding, the mix's scalars (sa0, sa1, then their gradients)
   bf16 *qkv = random_bf16(size_t(T) * 3 * D, 1.0f, 14), *dqkv = device_alloc<bf16>(size_t(T) * 3 * D);
+  bf16* ve = random_bf16(size_t(T) * D, 1.0f, 15);
+  const std::vector<float> host_scalars = {0.75f, -0.375f, 0.0f, 0.0f};
+  float *scalars = device_alloc<float>(host_scalars.size()), *reduction = device_alloc<float>(kScalarReductionScratchFloats);
+  CUDA_CHECK(cudaMemcpy(scalars, host_scalars.data(), host_scalars.size() * sizeof(float), cudaMemcpyHostToDevice));
   std::vector<float> table;
   rope_table_host(T, table);
   float* cos_sin = device_alloc<float>(table.size());
@@ -489,14 +494,18 @@ void bench_attention(const Peaks& peaks) {
     std::snprintf(name, sizeof name, "flash attention bwd, window %2d blocks", window);
     row(name, median_ms([&] { flash_attention_backward(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0); }), 0,
         2.5 * fwd_flops, peaks);
-    std::snprintf(name, sizeof name, "flash bwd + QK norm pass, window %2d", window);
+    // with a value embedding, as 6 of the 11 attention layers: dv is written for its table either way
+    std::snprintf(name, sizeof name, "flash bwd + qkv passes, window %2d", window);
     row(name, median_ms([&] {
           flash_attention_backward(q, k, v, y, dy, lse, scratch, dq, dk, dv, a, mask, 0);
+          weighted_sum_backward(dv, qkv + 2 * D, scalars, scalars + 2, ve, scalars + 1, scalars + 3, dqkv + 2 * D,
+                                nullptr, false, T, D, 3 * D, reduction, 0);
           qk_norm_rope_backward(qkv, dq, dk, cos_sin, dqkv, T, H, 0);
         }), 0, 2.5 * fwd_flops, peaks);
-    std::snprintf(name, sizeof name, "flash bwd through QK norm, window %2d", window);
+    std::snprintf(name, sizeof name, "flash bwd into dqkv, window %2d", window);
     row(name, median_ms([&] {
-          flash_attention_backward_through_qk_norm(q, k, v, y, dy, lse, scratch, qkv, cos_sin, dqkv, dv, a, mask, 0);
+          flash_attention_backward_into_dqkv(q, k, v, y, dy, lse, scratch, {qkv, cos_sin, scalars, ve, dqkv, dv},
+                                             scalars + 2, scalars + 3, a, mask, 0);
         }), 0, 2.5 * fwd_flops, peaks);
     std::snprintf(name, sizeof name, "flash attention bwd split, window %2d", window);
     row(name,
@@ -511,7 +520,7 @@ void bench_attention(const Peaks& peaks) {
     }
   }
   for (void* b : {(void*)q, (void*)k, (void*)v, (void*)dy, (void*)y, (void*)dq, (void*)dk, (void*)dv, (void*)lse,
-                  (void*)scratch, (void*)qkv, (void*)dqkv, (void*)cos_sin})
+                  (void*)scratch, (void*)qkv, (void*)dqkv, (void*)cos_sin, (void*)ve, (void*)scalars, (void*)reduction})
     cudaFree(b);
 }
 

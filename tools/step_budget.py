@@ -85,8 +85,8 @@ def ops(pairs_per_micro, distinct_tokens, micro_batches):
          r"^(nvjet_sm90_(?!q|rq)|cutlass|cublasLt::splitKreduce)", M * blocks_flops + ns_flops, 0, "bf16"),
         ("FP8 head products (forward, dx, dW)", r"^nvjet_sm90_(q|rq)", M * 3 * 2 * T * D * V, 0, "fp8"),
         ("attention forward", r"^flash::forward(_ws)?_kernel$", M * attention_forward, 0, "bf16"),
-        ("attention backward (2.5x the forward's FLOPs; delta; with --qk-norm-backward fused also the QK norm's "
-         "and RoPE's backward, whose row is then empty)",
+        ("attention backward (2.5x the forward's FLOPs; delta; with --qkv-backward fused also the QK norm's, "
+         "RoPE's and the value mix's backward, whose rows then hold nothing or only the scalar sums)",
          r"^(flash::backward_|attention_delta_kernel)", M * 2.5 * attention_forward, 0, "bf16"),
         ("head cross-entropy: bf16 logits in, e5m2 gradient out", r"^softcap_cross_entropy_kernel$", 0,
          M * 3 * T * V, "copy"),

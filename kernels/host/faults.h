@@ -21,7 +21,7 @@ enum class Fault {
   wrong_fused_residual_add,    // ... the matmul with the residual as cuBLASLt's C
   wrong_fused_mlp_fc,          // ... the MLP's fc product with ReLU² in our GEMM's epilogue
   wrong_fused_qkv,             // ... the qkv product with QK norm, RoPE and the value mix in its epilogue
-  wrong_qk_norm_backward,      // ... the fused attention backward through the QK norm's and RoPE's backward
+  wrong_qkv_backward,          // ... the fused attention backward into dqkv (QK norm, RoPE, value mix)
   diloco_flipped_sign,         // DiLoCo's pseudo-gradient is local - global (torchft#233's bug)
   diloco_mix_to_copy,          // the mix of local and global is written to a copy, not in place
   diloco_average_by_world,     // the pseudo-gradients' sum is divided by W instead of G

@@ -3,11 +3,12 @@
 // implementations (the warp-per-row baseline, the tensor-core flash kernels with the fused backward,
 // with the two-kernel one, and with the warp-specialised TMA forward) on random layouts for every
 // window size 1..14, long and short (W/2); the fused backward bitwise the same on a second run, the
-// warp-specialised forward bitwise the same as the other; the fused backward through the QK norm and
-// RoPE against the backward and the pass.
+// warp-specialised forward bitwise the same as the other; the fused backward into dqkv (through the
+// QK norm, RoPE and the value mix) against the backward and the passes.
 #include "gpu/gpu_test.h"
 #include "kernels/attention.cuh"
 #include "kernels/flash_attention.cuh"
+#include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
 #include "reference/model.h"
 #include "reference/synthetic.h"
@@ -333,92 +334,129 @@ TEST_CASE("the fused backward's dq, dk and dv are bitwise the same on a second r
   }
 }
 
-// The fused backward through the QK norm's and RoPE's backward (--qk-norm-backward fused) against
-// the fused backward, then the pass (qk_norm_rope_backward), with q and k the norm and rotation of a
-// random raw qkv as the model makes them: dqkv's q and k thirds within bf16 rounding (the pass
-// rounds dq and dk to bf16 first), its v third untouched (poisoned), dv bitwise the fused backward's,
-// and dqkv bitwise the same on a second run (dq's rows are written by the last of up to 14
-// contributors). A rotation the other way round (the table's sines negated) is far outside the bound.
-void check_through_qk_norm(int T, int H, int window, uint64_t seed) {
-  std::printf("  T = %d, H = %d, window %d\n", T, H, window);
+// The fused backward into dqkv (--qkv-backward fused: through the QK norm's, RoPE's and the value
+// mix's backward) against the fused backward, then the passes (weighted_sum_backward,
+// qk_norm_rope_backward), with q and k the norm and rotation of a random raw qkv and v its mix, as
+// the model makes them, with a value embedding and without: dqkv and the mix's scalar gradients
+// within bf16 rounding (the passes round dq, dk and dv to bf16 first; the scalars, sums of T d
+// products that cancel, on their terms' scale), dv bitwise the fused
+// backward's where ve asks for it and untouched (poisoned) where not, and dqkv and the scalars
+// bitwise the same on a second run (dq's rows are written by the last of up to 14 contributors). A
+// rotation the other way round (the table's sines negated) is far outside the bound.
+void check_into_dqkv(int T, int H, int window, uint64_t seed) {
   const std::vector<uint16_t> tokens = layout(T, 300.0, seed);
   const LayoutMask layout_mask(tokens, window);
   const AttentionMask& mask = *layout_mask.mask;
   const size_t n = size_t(T) * H * D;
+  const int d = H * D;
   std::vector<float> table;
   rope_table_host(T, table);
   std::vector<float> turned_back = table;
   for (size_t i = 1; i < turned_back.size(); i += 2) turned_back[i] = -turned_back[i];
-  DeviceBuffer<float> cos_sin(table), wrong_way(turned_back), lse(size_t(T) * H),
-      scratch(attention_backward_scratch_floats(T, H));
-  DeviceBuffer<bf16> qkv(to_bf16(random_normal(3 * n, seed + 1))), v(to_bf16(random_normal(n, seed + 2))),
-      dy(to_bf16(random_normal(n, seed + 3))), q(n), k(n), y(n), dq(n), dk(n), dv_separate(n), dqkv_separate(3 * n),
-      dqkv_wrong_way(3 * n);
+  DeviceBuffer<float> cos_sin(table), wrong_way(turned_back), lse(size_t(T) * H), sa(std::vector<float>{0.75f, -0.375f}),
+      scratch(attention_backward_scratch_floats(T, H)), reduction(kScalarReductionScratchFloats);
+  DeviceBuffer<bf16> qkv(to_bf16(random_normal(3 * n, seed + 1))), ve(to_bf16(random_normal(n, seed + 2))),
+      dy(to_bf16(random_normal(n, seed + 3))), q(n), k(n), v(n), y(n), dq(n), dk(n), dv_separate(n);
   qk_norm_rope_forward(qkv.get(), cos_sin.get(), q.get(), k.get(), T, H, 0);
-  const AttentionTensors a{T, H, H * D, H * D, H * D};
-  flash_attention_forward(q.get(), k.get(), v.get(), y.get(), lse.get(), a, mask, 0);
-  flash_attention_backward(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(), dq.get(), dk.get(),
-                           dv_separate.get(), a, mask, 0);
-  qk_norm_rope_backward(qkv.get(), dq.get(), dk.get(), cos_sin.get(), dqkv_separate.get(), T, H, 0);
-  qk_norm_rope_backward(qkv.get(), dq.get(), dk.get(), wrong_way.get(), dqkv_wrong_way.get(), T, H, 0);
-  // the q and k thirds of [T, 3, H, 128]: rows of 2 H 128 every 3 H 128
-  auto q_and_k = [&](const std::vector<bf16>& dqkv) {
-    std::vector<double> out;
-    for (int t = 0; t < T; ++t)
-      for (size_t i = 0; i < size_t(2) * H * D; ++i) out.push_back(double(__bfloat162float(dqkv[size_t(t) * 3 * H * D + i])));
-    return out;
-  };
-  std::vector<bf16> runs[2];
-  for (std::vector<bf16>& run : runs) {
-    DeviceBuffer<bf16> dqkv(3 * n), dv(n);
-    dqkv.poison();
-    dv.poison();
-    scratch.poison();
-    flash_attention_backward_through_qk_norm(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(),
-                                             qkv.get(), cos_sin.get(), dqkv.get(), dv.get(), a, mask, 0);
-    run = dqkv.download();
-    const std::vector<bf16> dv_through = dv.download(), dv_then = dv_separate.download();
-    CHECK(std::memcmp(dv_through.data(), dv_then.data(), n * sizeof(bf16)) == 0);
-  }
-  bool v_untouched = true;
-  for (int t = 0; t < T; ++t)
-    for (size_t i = size_t(2) * H * D; i < size_t(3) * H * D; ++i) {
-      uint16_t bits;
-      std::memcpy(&bits, &runs[0][size_t(t) * 3 * H * D + i], sizeof bits);
-      v_untouched = v_untouched && bits == 0xFFFF;
+  const AttentionTensors a{T, H, d, d, d};
+  for (const bf16* value_embedding : {(const bf16*)ve.get(), (const bf16*)nullptr}) {
+    std::printf("  T = %d, H = %d, window %d, %s\n", T, H, window, value_embedding ? "with ve" : "without");
+    weighted_sum_forward(qkv.get() + 2 * d, sa.get(), value_embedding, sa.get() + 1, v.get(), T, d, 3 * d, 0);
+    flash_attention_forward(q.get(), k.get(), v.get(), y.get(), lse.get(), a, mask, 0);
+    flash_attention_backward(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(), dq.get(), dk.get(),
+                             dv_separate.get(), a, mask, 0);
+    // the passes: dqkv and the scalar gradients, with the rope table and with the wrong-way one
+    std::vector<double> passes[2], passes_dsa;
+    for (int wrong = 0; wrong < 2; ++wrong) {
+      DeviceBuffer<bf16> dqkv(3 * n);
+      DeviceBuffer<float> dsa(std::vector<float>{0.0f, 0.0f});
+      weighted_sum_backward(dv_separate.get(), qkv.get() + 2 * d, sa.get(), dsa.get(), value_embedding, sa.get() + 1,
+                            value_embedding ? dsa.get() + 1 : nullptr, dqkv.get() + 2 * d, nullptr, false, T, d, 3 * d,
+                            reduction.get(), 0);
+      qk_norm_rope_backward(qkv.get(), dq.get(), dk.get(), (wrong ? wrong_way : cos_sin).get(), dqkv.get(), T, H, 0);
+      passes[wrong] = to_double(dqkv.download());
+      if (!wrong) passes_dsa = to_double(dsa.download());
     }
-  CHECK(v_untouched);
-  const std::vector<double> fused = q_and_k(runs[0]);
-  CHECK(all_finite(fused));
-  CHECK_REL_ERROR(fused, q_and_k(dqkv_separate.download()), kBf16Bound);
-  const double wrong_way_error = relative_error(fused, q_and_k(dqkv_wrong_way.download()));
-  std::printf("  against the rotation the other way round: rel. error %.2e (%.0fx the bound)\n", wrong_way_error,
-              wrong_way_error / kBf16Bound);
-  CHECK(wrong_way_error > 10 * kBf16Bound);
-  const bool same = std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(bf16)) == 0;
-  std::printf("  dqkv of two runs: %s\n", same ? "bitwise the same" : "DIFFERENT");
-  CHECK(same);
+    std::vector<bf16> runs[2];
+    std::vector<float> runs_dsa[2];
+    for (int run = 0; run < 2; ++run) {
+      DeviceBuffer<bf16> dqkv(3 * n), dv(n);
+      DeviceBuffer<float> dsa(std::vector<float>{0.0f, 0.0f});
+      dqkv.poison();
+      dv.poison();
+      scratch.poison();
+      flash_attention_backward_into_dqkv(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(),
+                                         {qkv.get(), cos_sin.get(), sa.get(), value_embedding, dqkv.get(),
+                                          value_embedding ? dv.get() : nullptr},
+                                         dsa.get(), value_embedding ? dsa.get() + 1 : nullptr, a, mask, 0);
+      runs[run] = dqkv.download(), runs_dsa[run] = dsa.download();
+      const std::vector<bf16> dv_into = dv.download(), dv_then = dv_separate.download();
+      if (value_embedding) {
+        CHECK(std::memcmp(dv_into.data(), dv_then.data(), n * sizeof(bf16)) == 0);
+      } else {
+        bool untouched = true;
+        for (const bf16& e : dv_into) untouched = untouched && std::isnan(__bfloat162float(e));
+        CHECK(untouched);
+      }
+    }
+    const std::vector<double> into = to_double(runs[0]);
+    CHECK(all_finite(into));
+    CHECK_REL_ERROR(into, passes[0], kBf16Bound);
+    const std::vector<double> dsa_into = to_double(runs_dsa[0]), dv_then = to_double(dv_separate.download()),
+                              raw = to_double(qkv.download()), embedding = to_double(ve.download());
+    const double scales[2] = {product_terms_scale(dv_then.data(), raw.data() + 2 * d, T, d, 3 * d),
+                              product_terms_scale(dv_then.data(), embedding.data(), T, d, d)};
+    // the passes' bf16 rounding of dv puts noise of about 1.6e-3 of the terms' scale (its std) into
+    // them: a bound of 6 of those; a wrong sum (a term or a CTA's share missing, a sign) is of order 1
+    constexpr double kScalarBound = 1e-2;
+    for (int i = 0; i < (value_embedding ? 2 : 1); ++i) {
+      const double error = error_on_scale(dsa_into[i], passes_dsa[i], scales[i]);
+      std::printf("  dsa%d %.6g (passes %.6g): error %.2e of its terms' scale %.4g (bound %.0e)\n", i, dsa_into[i],
+                  passes_dsa[i], error, scales[i], kScalarBound);
+      CHECK(error <= kScalarBound);
+    }
+    if (!value_embedding) CHECK(dsa_into[1] == 0.0);
+    const double wrong_way_error = relative_error(into, passes[1]);
+    std::printf("  against the rotation the other way round: rel. error %.2e (%.0fx the bound)\n", wrong_way_error,
+                wrong_way_error / kBf16Bound);
+    CHECK(wrong_way_error > 10 * kBf16Bound);
+    const bool same = std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(bf16)) == 0 &&
+                      runs_dsa[0] == runs_dsa[1];
+    std::printf("  dqkv and the scalars of two runs: %s\n", same ? "bitwise the same" : "DIFFERENT");
+    CHECK(same);
+  }
 }
 
-TEST_CASE("the fused backward through the QK norm and RoPE gives the backward and the pass's dqkv") {
-  check_through_qk_norm(128 * 16, 2, 1, 900);
-  check_through_qk_norm(128 * (emulating_a_subset() ? 16 : 64), emulating_a_subset() ? 2 : 6, 14, 910);
+TEST_CASE("the fused backward into dqkv gives the backward and the passes' dqkv and scalar gradients") {
+  check_into_dqkv(128 * 16, 2, 1, 900);
+  check_into_dqkv(128 * (emulating_a_subset() ? 16 : 64), emulating_a_subset() ? 2 : 6, 14, 910);
   const int T = 256, H = 1;
   const LayoutMask layout_mask(layout(T, 300.0, 920), 2);
   const size_t n = size_t(T) * H * D;
-  DeviceBuffer<bf16> q(n), k(n), v(n), y(n), dy(n), qkv(3 * n + 1), dqkv(3 * n + 1), dv(n);
-  DeviceBuffer<float> lse(size_t(T) * H), scratch(attention_backward_scratch_floats(T, H)), cos_sin(size_t(T) * D + 1);
+  DeviceBuffer<bf16> q(n), k(n), v(n), y(n), dy(n), qkv(3 * n + 1), dqkv(3 * n + 1), ve(n + 1), dv(n);
+  DeviceBuffer<float> lse(size_t(T) * H), scratch(attention_backward_scratch_floats(T, H)), cos_sin(size_t(T) * D + 1),
+      scalars(4);
   const AttentionTensors a{T, H, H * D, H * D, H * D};
-  auto through = [&](const bf16* qkv_at, const float* cos_sin_at, bf16* dqkv_at) {
-    flash_attention_backward_through_qk_norm(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(),
-                                             qkv_at, cos_sin_at, dqkv_at, dv.get(), a, *layout_mask.mask, 0);
+  float* dsa1 = scalars.get() + 3;
+  auto into = [&](const flash::QkvGradient& grad, float* dsa1_or_null) {
+    flash_attention_backward_into_dqkv(q.get(), k.get(), v.get(), y.get(), dy.get(), lse.get(), scratch.get(), grad,
+                                       scalars.get() + 2, dsa1_or_null, a, *layout_mask.mask, 0);
   };
-  CHECK_THROWS_WITH(through(qkv.get() + 1, cos_sin.get(), dqkv.get()), "flash attention: qkv must start 4-byte aligned");
-  CHECK_THROWS_WITH(through(qkv.get(), cos_sin.get() + 1, dqkv.get()),
-                    "flash attention: rope table must start 16-byte aligned");
-  CHECK_THROWS_WITH(through(qkv.get(), cos_sin.get(), dqkv.get() + 1), "flash attention: dqkv must start 4-byte aligned");
-  CHECK_THROWS_WITH(through(qkv.get(), nullptr, dqkv.get()),
-                    "flash attention through the QK norm: qkv, the rope table and dqkv are required");
+  const flash::QkvGradient good{qkv.get(), cos_sin.get(), scalars.get(), ve.get(), dqkv.get(), dv.get()};
+  flash::QkvGradient bad = good;
+  bad.qkv = qkv.get() + 1;
+  CHECK_THROWS_WITH(into(bad, dsa1), "flash attention: qkv must start 4-byte aligned");
+  bad = good, bad.cos_sin = cos_sin.get() + 1;
+  CHECK_THROWS_WITH(into(bad, dsa1), "flash attention: rope table must start 16-byte aligned");
+  bad = good, bad.ve = ve.get() + 1;
+  CHECK_THROWS_WITH(into(bad, dsa1), "flash attention: ve must start 4-byte aligned");
+  bad = good, bad.dqkv = dqkv.get() + 1;
+  CHECK_THROWS_WITH(into(bad, dsa1), "flash attention: dqkv must start 4-byte aligned");
+  const char* required = "flash attention into dqkv: qkv, the rope table, sa0, dqkv and dsa0 are required, and dsa1 "
+                         "exactly with ve";
+  bad = good, bad.cos_sin = nullptr;
+  CHECK_THROWS_WITH(into(bad, dsa1), required);
+  CHECK_THROWS_WITH(into(good, nullptr), required);  // ve's scalar gradient would have nowhere to go
 }
 
 // Both forwards run the same products and softmax steps in the same order on each row, so the

@@ -30,7 +30,7 @@ Hyperparameters with_reference_flag(Hyperparameters h, bool KernelPaths::*path) 
   if (path == &KernelPaths::fused_residual_add) h.residual_add = "separate";
   if (path == &KernelPaths::fused_mlp_fc) h.mlp_fc = "cublaslt";
   if (path == &KernelPaths::fused_qkv) h.qkv = "cublaslt";
-  if (path == &KernelPaths::qk_norm_backward_in_attention) h.qk_norm_backward = "separate";
+  if (path == &KernelPaths::qkv_backward_in_attention) h.qkv_backward = "separate";
   return h;
 }
 
@@ -39,7 +39,7 @@ Hyperparameters with_every_fast_path() {
   Hyperparameters h;
   h.mlp_fc = "fused";
   h.qkv = "fused";
-  h.qk_norm_backward = "fused";
+  h.qkv_backward = "fused";
   return h;
 }
 
