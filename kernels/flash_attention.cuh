@@ -712,20 +712,25 @@ __device__ inline float2 store_v_rows_into_dqkv(const float (&acc)[kAttentionHea
 // tile's 16 KB, [2 groups][64 rows][32], free until the next half's barrier; columns swizzled by
 // the row, so that a warp's stores hit distinct banks), the rows' partial sums through `row_sums`
 // [2 groups][64 rows], added in group order by both warpgroups (one norm for the row).
+// after_barrier: a CTA barrier came after both warpgroups' last wait on their dS K products.
 __device__ inline void store_q_rows_into_dqkv(float (&g)[kDsRows / 8][4], int q_first, int h, int H,
-                                                 const QkvGradient& grad, float* exchange, float2* row_sums) {
+                                               const QkvGradient& grad, float* exchange, float2* row_sums,
+                                               bool after_barrier) {
   constexpr int kN = kDsRows / 8, kTurning = kAttentionHeadDim / 4;
+  static_assert(2 * kDsRows * kTurning * sizeof(float) <= kDsRows * kTile * sizeof(bf16),
+                "the exchange fits the dS tile");
   const int warp = threadIdx.x / 32, group = warp / 4;
   auto row_of = [&](int half) { return warp % 4 * 16 + fragment_row(2 * half); };
   auto exchanged = [&](int from_group, int row, int n) {
     return reinterpret_cast<float2*>(exchange + (from_group * kDsRows + row) * kTurning +
                                      (fragment_col(n, 0) ^ (row % 4 * 8)));
   };
-  __syncthreads();  // both warpgroups' dS K products are done with the dS tile
+  if (!after_barrier) __syncthreads();  // both warpgroups' dS K products are done with the dS tile
 #pragma unroll
   for (int half = 0; half < 2; ++half)
 #pragma unroll
-    for (int n = 0; n < kTurning / 8; ++n) *exchanged(group, row_of(half), n) = make_float2(g[n][2 * half], g[n][2 * half + 1]);
+    for (int n = 0; n < kTurning / 8; ++n)
+      *exchanged(group, row_of(half), n) = make_float2(g[n][2 * half], g[n][2 * half + 1]);
   __syncthreads();
   float turned[2][kN][2];
 #pragma unroll
@@ -822,7 +827,8 @@ __device__ inline int* add_dq_contribution(float (&part)[kDsRows / 8][4], const 
       part[n][2 * half] = v.x * kAttentionScale, part[n][2 * half + 1] = v.y * kAttentionScale;
     }
   if constexpr (into_dqkv) {
-    store_q_rows_into_dqkv(part, q_first, h, a.H, out.grad, out.exchange, out.row_sums);
+    store_q_rows_into_dqkv(part, q_first, h, a.H, out.grad, out.exchange, out.row_sums,
+                           /*after_barrier=*/turn > 0);
   } else {
 #pragma unroll
     for (int n = 0; n < kDsRows / 8; ++n)
@@ -908,11 +914,13 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     const bool masked = needs_mask(qb, kb, q_start[kTile - 1]);
     if constexpr (into_dqkv) {  // the rows the tails read: raw q where this CTA ends dq, raw k, v and ve at the end
       const int64_t raw_stride = 3 * int64_t(a.H) * kAttentionHeadDim;
-      if (m.q_turn[kb * m.max_q + j] + 1 == m.kv_count[qb]) prefetch_tile_rows(grad.qkv + grad.row(q0, 0, h, a.H), raw_stride);
+      if (m.q_turn[kb * m.max_q + j] + 1 == m.kv_count[qb])
+        prefetch_tile_rows(grad.qkv + grad.row(q0, 0, h, a.H), raw_stride);
       if (j + 1 == count) {
         prefetch_tile_rows(grad.qkv + grad.row(k0, 1, h, a.H), raw_stride);
         prefetch_tile_rows(grad.qkv + grad.row(k0, 2, h, a.H), raw_stride);
-        if (grad.ve) prefetch_tile_rows(grad.ve + (size_t(k0) * a.H + h) * kAttentionHeadDim, dy_stride);
+        const int64_t ve_stride = int64_t(a.H) * kAttentionHeadDim;  // [T, H, 128]
+        if (grad.ve) prefetch_tile_rows(grad.ve + (size_t(k0) * a.H + h) * kAttentionHeadDim, ve_stride);
       }
     }
     for (int half = 0; half < kTile / kQueries; ++half) {

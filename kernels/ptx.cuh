@@ -172,10 +172,9 @@ __device__ inline void tma_load_2d(void* shared, const void* map, int x, int y, 
       : "memory");
 }
 
-// Asks L2 for the 128-byte line at `global` (a hint: nothing waits for it, no register holds it).
-__device__ inline void prefetch_l2(const void* global) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(global));
-}
+// Asks L2 for the 128-byte line at `global` (a hint: nothing waits for it, no register holds it);
+// generic addressing, as the pointer is.
+__device__ inline void prefetch_l2(const void* global) { asm volatile("prefetch.L2 [%0];\n" ::"l"(global)); }
 
 // Named barriers 1-15 (0 is __syncthreads'): `threads` (a multiple of 32) arrive, by whole warps;
 // sync waits for the rest, arrive does not.

@@ -208,14 +208,17 @@ TEST_CASE("the model's FP8 logits product takes the run's cuBLASLt candidate (--
   }
 }
 
+// The default paths, then every fast path (the opt-in ones too: their checks run at the record's
+// shapes only here and in a run that asks for them).
 TEST_CASE("the self-check at the record's shapes passes on this GPU") {
   if (!at_record_shapes("the record-shaped self-check")) return;
   const GPTConfig c;
-  Hyperparameters strict;
-  strict.self_check = "strict";
-  const SelfCheckOutcome outcome = self_check_paths(strict, self_check_shape(c), c.bos_token, nullptr, nullptr);
-  for (const std::string& line : outcome.lines) std::printf("  %s\n", line.c_str());
-  CHECK(outcome.failed_paths.empty());
+  for (Hyperparameters strict : {Hyperparameters{}, with_every_fast_path()}) {
+    strict.self_check = "strict";
+    const SelfCheckOutcome outcome = self_check_paths(strict, self_check_shape(c), c.bos_token, nullptr, nullptr);
+    for (const std::string& line : outcome.lines) std::printf("  %s\n", line.c_str());
+    CHECK(outcome.failed_paths.empty());
+  }
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }
