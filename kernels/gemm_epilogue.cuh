@@ -13,7 +13,9 @@
 // released as soon as the next stage's products are issued and the previous ones done. The grid is persistent
 // (one CTA per SM); tiles go N fastest, so the CTAs at work at once share A's 128-row block in L2
 // (B, a weight, stays in L2 whole), and the producer fills the next tile's stages while the
-// consumers run the epilogue (straight from registers to global memory).
+// consumers run the epilogue. The epilogue stages C's tile in shared memory and TMA stores write it
+// out (as CUTLASS's Hopper epilogues do): the stores drain while the consumers go on to the next
+// tile's products, where 4-byte stores straight from the accumulators (64 a thread) would hold them.
 #pragma once
 #include "kernels/device_utils.cuh"
 #include "kernels/host/cuda_check.cuh"
@@ -29,32 +31,48 @@ namespace gemm_epilogue {
 using namespace wgmma_tiles;
 
 constexpr int kTileRows = 128, kTileCols = 256, kBlockK = 64;  // kBlockK: one 128-byte swizzle span
-constexpr int kStages = 4;
+constexpr int kStages = 3;  // of 48 KB, beside the output tile's 64 KB in 227 KB
 constexpr uint32_t kATileBytes = kTileRows * kBlockK * sizeof(bf16), kBTileBytes = kTileCols * kBlockK * sizeof(bf16);
-constexpr size_t kSharedBytes = kStages * size_t(kATileBytes + kBTileBytes) + kSwizzleAtomBytes;
+// The output tile: per consumer warpgroup its 64 rows as four [64 rows][64 columns] boxes (a TMA
+// store each) in the 128-byte swizzle.
+constexpr int kOutputRows = kTileRows / 2, kOutputBoxCols = 64;
+constexpr uint32_t kOutputBytes = kTileRows * kTileCols * sizeof(bf16);
+constexpr size_t kSharedBytes = kStages * size_t(kATileBytes + kBTileBytes) + kOutputBytes + kSwizzleAtomBytes;
 constexpr int kNGroup = 64;  // an N-major B tile's columns a box (a 128-byte swizzle span)
 constexpr uint32_t kNGroupBytes = kNGroup * kBlockK * sizeof(bf16);
 
 // How B is stored: [N, K] row-major (C = A B^T) or [K, N] row-major (C = A B).
 enum class BLayout { k_major, n_major };
 
-// Epilogues: `store` writes a consumer thread's part of the 128 x 256 output tile from its
-// accumulators: acc[n][e] holds element (row0 + fragment_row(e), col0 + fragment_col(n, e)) of C
-// (row0: the warp's first row). check(): the host's refusals of what an epilogue's own operands
-// would fault on.
+// Where an epilogue puts C: its consumer warpgroup's 64 x 256 part of the output tile, staged in
+// shared memory as the TMA stores read it. (row0, col0): the part's first element in C [M, N].
+struct TileOutput {
+  bf16* staging;
+  int row0, col0, N;
+  // The bf16 pair at C (row0 + row, col0 + col): row in [0, 64), col even in [0, 256).
+  __device__ void put(int row, int col, uint32_t pair) const {
+    *reinterpret_cast<uint32_t*>(staging + swizzled<kOutputRows>(row, col)) = pair;
+  }
+  __device__ size_t index(int row, int col) const { return size_t(row0 + row) * N + col0 + col; }
+  // The thread's rows of the part: accumulator register e's (fragment_row), in its warp's 16.
+  __device__ static int row_of(int e) { return threadIdx.x / 32 % 4 * 16 + fragment_row(e); }
+};
+
+// Epilogues: `store` puts a consumer thread's part of the output tile from its accumulators:
+// acc[n][e] holds element (TileOutput::row_of(e), fragment_col(n, e)) of its warpgroup's part.
+// check(): the host's refusals of what an epilogue's own operands would fault on.
 //
 // The elementwise ones (Derived maps x0, x1 to the bf16 pair C[index], C[index + 1]):
 template <typename Derived>
 struct Elementwise {
   void check() const {}
-  __device__ void store(const float (&acc)[kTileCols / 8][4], bf16* c, int row0, int col0, int N) const {
+  __device__ void store(const float (&acc)[kTileCols / 8][4], const TileOutput& out) const {
 #pragma unroll
     for (int n = 0; n < kTileCols / 8; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const size_t index = size_t(row0 + fragment_row(2 * half)) * N + col0 + fragment_col(n, 0);
-        *reinterpret_cast<uint32_t*>(c + index) =
-            static_cast<const Derived&>(*this)(acc[n][2 * half], acc[n][2 * half + 1], index);
+        const int row = TileOutput::row_of(2 * half), col = fragment_col(n, 0);
+        out.put(row, col, static_cast<const Derived&>(*this)(acc[n][2 * half], acc[n][2 * half + 1], out.index(row, col)));
       }
   }
 };
@@ -83,10 +101,10 @@ struct ReluSquaredBackward : Elementwise<ReluSquaredBackward> {  // du = da 2 re
 template <BLayout b_layout, typename Epilogue>
 __global__ void __launch_bounds__(kWsThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                const Epilogue epilogue, bf16* c, int M, int N, int K) {
+                const __grid_constant__ CUtensorMap c_map, const Epilogue epilogue, int M, int N, int K) {
   extern __shared__ __align__(128) bf16 shared_tiles[];
   // stage s: A tile [128 rows][64 k], then B tile: [256 rows][64 k] (K-major) or four [64 k][64 n]
-  // boxes (N-major), each in the 128-byte swizzle
+  // boxes (N-major), each in the 128-byte swizzle; after the stages, the output tile
   bf16* tiles = align_to_swizzle_atom(shared_tiles);
   auto a_tile = [&](int stage) { return tiles + stage * (kTileRows + kTileCols) * kBlockK; };
   auto b_tile = [&](int stage) { return a_tile(stage) + kTileRows * kBlockK; };
@@ -118,7 +136,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     return;
   }
 
-  const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 - 4;  // warp: 16 rows of the tile
+  const int consumer = threadIdx.x / 128 - 1;  // rows 64 consumer .. of each tile
+  const bool leader = threadIdx.x % 128 == 0;  // issues the consumer warpgroup's TMA stores
+  bf16* staging = a_tile(kStages) + consumer * kOutputRows * kTileCols;
   uint32_t use = 0;
   for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
     float acc[kTileCols / 8][4];
@@ -149,8 +169,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     wgmma_wait_all(acc);
     release_stage(empty + stage_use<kStages>(use - 1).stage);
-    epilogue.store(acc, c, tile / tiles_n * kTileRows + warp * 16, tile % tiles_n * kTileCols, N);
+    // the warpgroup's part of the tile into its staging, once the previous tile's stores have read it
+    if (leader) ptx::bulk_wait_group_read<0>();
+    ptx::named_barrier_sync(1 + consumer, 128);
+    const int row0 = tile / tiles_n * kTileRows + consumer * kOutputRows, col0 = tile % tiles_n * kTileCols;
+    epilogue.store(acc, TileOutput{staging, row0, col0, N});
+    ptx::fence_proxy_async_shared();  // the staged tile visible to the TMA stores
+    ptx::named_barrier_sync(1 + consumer, 128);
+    if (leader) {
+      for (int box = 0; box < kTileCols / kOutputBoxCols; ++box)
+        ptx::tma_store_2d(&c_map, col0 + box * kOutputBoxCols, row0, staging + box * kOutputRows * kOutputBoxCols);
+      ptx::bulk_commit_group();
+    }
   }
+  if (leader) ptx::bulk_wait_group<0>();  // the stores done before the block (and its shared memory) ends
 }
 
 // C [M, N] = epilogue(A [M, K] B) on the stream, B as b_layout says; refuses, naming the operand,
@@ -161,16 +193,17 @@ void gemm(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, Epilogue e
   const std::string shape = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K);
   if (M <= 0 || N <= 0 || K <= 0 || M % kTileRows || N % kTileCols || K % kBlockK)
     throw std::invalid_argument("gemm with epilogue: " + shape + " (M x N x K) must be multiples of 128 x 256 x 64");
-  if (reinterpret_cast<uintptr_t>(a) % 16 || reinterpret_cast<uintptr_t>(b) % 16 || reinterpret_cast<uintptr_t>(c) % 4)
-    throw std::invalid_argument("gemm with epilogue: A and B must start 16-byte aligned, C 4-byte aligned");
+  if (reinterpret_cast<uintptr_t>(a) % 16 || reinterpret_cast<uintptr_t>(b) % 16 || reinterpret_cast<uintptr_t>(c) % 16)
+    throw std::invalid_argument("gemm with epilogue: A, B and C must start 16-byte aligned");
   const CUtensorMap a_map = bf16_tile_map("the product's A", a, M, K, K, kTileRows, kBlockK),
                     b_map = b_layout == BLayout::k_major ? bf16_tile_map("the product's B", b, N, K, K, kTileCols, kBlockK)
-                                                         : bf16_tile_map("the product's B", b, K, N, N, kBlockK, kNGroup);
+                                                         : bf16_tile_map("the product's B", b, K, N, N, kBlockK, kNGroup),
+                    c_map = bf16_tile_map("the product's C", c, M, N, N, kOutputRows, kOutputBoxCols);
   CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<b_layout, Epilogue>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   int(kSharedBytes)));
   const int tile_count = M / kTileRows * (N / kTileCols);
   gemm_kernel<b_layout, Epilogue><<<std::min(tile_count, multiprocessor_count()), kWsThreads, kSharedBytes, stream>>>(
-      a_map, b_map, epilogue, c, M, N, K);
+      a_map, b_map, c_map, epilogue, M, N, K);
   CUDA_CHECK_LAUNCH();
 }
 

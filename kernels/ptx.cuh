@@ -176,6 +176,29 @@ __device__ inline void tma_load_2d(void* shared, const void* map, int x, int y, 
 // generic addressing, as the pointer is.
 __device__ inline void prefetch_l2(const void* global) { asm volatile("prefetch.L2 [%0];\n" ::"l"(global)); }
 
+// TMA store: the box at (x, y) of the map's matrix from shared memory laid out as the map says (its
+// swizzle), as a bulk async-group operation (rows outside the matrix are not written). The threads
+// that wrote the box fence their writes for the async proxy (fence_proxy_async_shared) and meet at
+// a barrier before one thread issues it.
+__device__ inline void tma_store_2d(const void* map, int x, int y, const void* shared) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(x), "r"(y), "r"(shared_address(shared))
+               : "memory");
+}
+__device__ inline void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// The issuing thread waits until all but its newest `pending_groups_left` bulk groups have read their
+// shared memory (which may then be rewritten) ...
+template <int pending_groups_left>
+__device__ inline void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(pending_groups_left) : "memory");
+}
+// ... or have completed (their writes done).
+template <int pending_groups_left>
+__device__ inline void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(pending_groups_left) : "memory");
+}
+
 // Named barriers 1-15 (0 is __syncthreads'): `threads` (a multiple of 32) arrive, by whole warps;
 // sync waits for the rest, arrive does not.
 __device__ inline void named_barrier_sync(int id, int threads) {

@@ -40,17 +40,17 @@ struct QkvEpilogue {
       throw std::invalid_argument("qkv with its epilogue: the rope table must start 16-byte aligned");
   }
 
-  __device__ void store(float (&acc)[gemm_epilogue::kTileCols / 8][4], bf16* c, int row0, int col0, int N) const {
+  __device__ void store(float (&acc)[gemm_epilogue::kTileCols / 8][4], const gemm_epilogue::TileOutput& out) const {
     constexpr int kN = gemm_epilogue::kTileCols / 8, kHeadN = kRopeHeadDim / 8;  // n-tiles: the tile's, a head's
-    const int which = col0 / d, out_col0 = col0 - which * d;                    // q 0, k 1, v 2
+    const int which = out.col0 / d, out_col0 = out.col0 - which * d;            // q 0, k 1, v 2
 #pragma unroll
     for (int n = 0; n < kN; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] = round_to_bf16(acc[n][e]);  // the raw qkv, as stored
-    gemm_epilogue::Identity{}.store(acc, c, row0, col0, N);
+    gemm_epilogue::Identity{}.store(acc, out);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // the thread's rows: fragment_row(0) and fragment_row(2)
-      const int t = row0 + wgmma_tiles::fragment_row(2 * half);
+      const int t = out.row0 + gemm_epilogue::TileOutput::row_of(2 * half);
       const size_t out = size_t(t) * d + out_col0;
       if (which == 2) {  // v = sa0 v_raw + sa1 ve
         const float alpha = *sa0, beta = ve ? *sa1 : 0.0f;

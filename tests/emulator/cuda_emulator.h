@@ -110,6 +110,19 @@ void mbarrier_arrive(uint64_t* barrier, uint32_t expect_tx_bytes);
 bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity);
 // The box at `coordinates` of an emulated tensor map (cuTensorMapEncodeTiled, cuda_runtime.cpp).
 void tma_load(void* shared, const void* map, const int* coordinates, int rank, uint64_t* barrier);
+// TMA stores (cp.async.bulk.tensor, shared to global) in bulk async-groups: the GPU reads a store's
+// box from shared memory (through the map's layout) at some time between the issue and the
+// wait_group (.read or not) that retires its group, so the box must not change in between: written
+// out as it was at the issue, at that wait, it is fatal if it did (rewritten before the wait: shared
+// memory reused too early; or written after the issue, where a barrier is missing before the store
+// and the late writers ran before the wait: where they run after it, the rows they had not staged
+// come out wrong, as on the GPU). Elements outside the matrix are
+// not written. Fatal too: the map checks of tma_load, and a thread that exits with a store not waited
+// for (its shared memory goes with the block). Not checked: the fence.proxy.async that must order the
+// threads' generic writes of the box before the store.
+void tma_store(const void* shared, const void* map, const int* coordinates, int rank);
+void bulk_commit();
+void bulk_wait(int pending_groups_left);
 // Fatal unless the running thread has seen complete the phase of the TMA copy (if any) that filled
 // the byte at this shared-window address: a wgmma issued by a thread that skipped its wait may read
 // the tile before it lands on the GPU, even where another thread's wait landed it here.

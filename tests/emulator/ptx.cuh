@@ -188,6 +188,19 @@ inline void tma_load_2d(void* shared, const void* map, int x, int y, uint64_t* b
   const int coordinates[2] = {x, y};
   ::emu::tma_load(shared, map, coordinates, 2, barrier);
 }
+inline void tma_store_2d(const void* map, int x, int y, const void* shared) {
+  const int coordinates[2] = {x, y};
+  ::emu::tma_store(shared, map, coordinates, 2);
+}
+inline void bulk_commit_group() { ::emu::bulk_commit(); }
+template <int pending_groups_left>
+void bulk_wait_group_read() {
+  ::emu::bulk_wait(pending_groups_left);
+}
+template <int pending_groups_left>
+void bulk_wait_group() {
+  ::emu::bulk_wait(pending_groups_left);
+}
 inline void named_barrier_sync(int id, int threads) { ::emu::named_barrier(id, threads, true); }
 inline void named_barrier_arrive(int id, int threads) { ::emu::named_barrier(id, threads, false); }
 template <int registers>

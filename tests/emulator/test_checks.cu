@@ -15,6 +15,10 @@
 //   the exit) each stop the program (a deadlock where the GPU would hang), as does a wgmma that
 //   reads a TMA copy its thread never waited for, and
 //   the host refuses a map the driver refuses, naming the tensor;
+// - TMA stores (an epilogue's, as our GEMM issues them): staged boxes land in place; a store issued
+//   before the barrier after the staging writes stores rows not yet staged, and a box reused before
+//   its store's read wait and a thread that exits without waiting for its stores each stop the
+//   program;
 // - cuSOLVER's syevd reports a factor it cannot decompose by a positive info (LAPACK's convention;
 //   what the library answers for a NaN factor is unverified), and REKLS then stops naming the
 //   factor (docs/ERRORS.md).
@@ -196,6 +200,35 @@ __global__ void __launch_bounds__(256, 1) tma_wgmma_kernel(const __grid_constant
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
   out[threadIdx.x - 128] = s[0][0];
+}
+
+// An epilogue's TMA stores as our GEMM issues them: one warpgroup stages tile t ([64 rows][64
+// columns] of value 1000 t + 64 r + c ... as bf16, in the 128-byte swizzle) in one shared box, and
+// its first thread stores it to columns 64 t.. of out [64, 64 tiles], the box reused tile after
+// tile. `mistake` injects one bug of the kind the pattern invites.
+enum class StoreMistake { none, no_read_wait, no_barrier, no_final_wait };
+constexpr int kStoreRows = 64, kStoreCols = 64, kStoreTiles = 3;
+constexpr size_t kStoreSharedBytes = kStoreRows * kStoreCols * sizeof(bf16) + wgmma_tiles::kSwizzleAtomBytes;
+
+__global__ void __launch_bounds__(128, 1) tma_store_kernel(const __grid_constant__ CUtensorMap map, StoreMistake mistake) {
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* box = wgmma_tiles::align_to_swizzle_atom(shared_tiles);
+  const bool leader = threadIdx.x == 0;
+  for (int t = 0; t < kStoreTiles; ++t) {
+    if (leader && mistake != StoreMistake::no_read_wait) ptx::bulk_wait_group_read<0>();
+    ptx::named_barrier_sync(1, 128);
+    for (int i = threadIdx.x; i < kStoreRows * kStoreCols; i += 128) {
+      const int r = i / kStoreCols, c = i % kStoreCols;
+      box[wgmma_tiles::swizzled<kStoreRows>(r, c)] = __float2bfloat16(float(1000 * t + 64 * r + c) / 1024);
+    }
+    ptx::fence_proxy_async_shared();
+    if (mistake != StoreMistake::no_barrier) ptx::named_barrier_sync(1, 128);
+    if (leader) {
+      ptx::tma_store_2d(&map, t * kStoreCols, 0, box);
+      ptx::bulk_commit_group();
+    }
+  }
+  if (leader && mistake != StoreMistake::no_final_wait) ptx::bulk_wait_group<0>();
 }
 
 struct Outcome {
@@ -393,6 +426,52 @@ TEST_CASE("TMA then wgmma: a warp that issues without waiting for the copy's pha
   CHECK(skipped.aborted);
   CHECK(skipped.errors.find("wgmma's A of thread 160 reads shared memory a TMA copy filled before this thread waited") !=
         std::string::npos);
+}
+
+// TMA stores: the staged boxes land unswizzled where the map says; the box's shared memory must not
+// change between a store's issue and the wait for it, and a thread must wait for its stores.
+TEST_CASE("TMA store: staged boxes land in place; a missing barrier, reuse before the read wait, no wait show") {
+  auto run = [](StoreMistake mistake, std::vector<double>* result) {
+    DeviceBuffer<bf16> out(size_t(kStoreRows) * kStoreCols * kStoreTiles);
+    out.poison();
+    const CUtensorMap map =
+        bf16_tile_map("out", out.get(), kStoreRows, kStoreCols * kStoreTiles, kStoreCols * kStoreTiles, kStoreRows, kStoreCols);
+    CUDA_CHECK(cudaFuncSetAttribute(tma_store_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStoreSharedBytes)));
+    tma_store_kernel<<<1, 128, kStoreSharedBytes>>>(map, mistake);
+    CUDA_CHECK_LAUNCH();
+    if (result) *result = to_double(out.download());
+  };
+  auto wrong_elements = [&](StoreMistake mistake) {
+    std::vector<double> out;
+    run(mistake, &out);
+    size_t wrong = 0;
+    for (int r = 0; r < kStoreRows; ++r)
+      for (int t = 0; t < kStoreTiles; ++t)
+        for (int c = 0; c < kStoreCols; ++c)
+          wrong += out[size_t(r) * kStoreCols * kStoreTiles + t * kStoreCols + c] !=
+                   double(__bfloat162float(__float2bfloat16(float(1000 * t + 64 * r + c) / 1024)));
+    return wrong;
+  };
+  CHECK(wrong_elements(StoreMistake::none) == 0);
+  // the leader's warp runs ahead of the others here: it stores their rows before they are staged
+  const size_t unstaged = wrong_elements(StoreMistake::no_barrier);
+  std::printf("  the store issued before the other warps staged: %zu of %d elements wrong\n", unstaged,
+              kStoreRows * kStoreCols * kStoreTiles);
+  CHECK(unstaged > 0);
+  struct Case {
+    StoreMistake mistake;
+    const char *what, *refusal;
+  };
+  const Case cases[] = {
+      {StoreMistake::no_read_wait, "the box reused before the read wait", "reused before cp.async.bulk.wait_group.read"},
+      {StoreMistake::no_final_wait, "no wait before the exit", "exited with TMA stores it never waited for"},
+  };
+  for (const Case& c : cases) {
+    const Outcome o = in_child([&] { run(c.mistake, nullptr); });
+    std::printf("  %s: %s", c.what, o.errors.c_str());
+    CHECK(o.aborted);
+    CHECK(o.errors.find(c.refusal) != std::string::npos);
+  }
 }
 
 TEST_CASE("TMA map: a start off 16 bytes or rows a stride not a multiple of 16 bytes are refused, naming the tensor") {

@@ -104,6 +104,16 @@ struct PendingCopy {
   unsigned char data[kAsyncCopyBytes];
 };
 
+// A TMA store (cp.async.bulk.tensor, shared to global) as issued: the box's shared memory then,
+// written out when its bulk group is waited for.
+struct TmaStore {
+  EmulatedTensorMap map;
+  const unsigned char* shared;
+  std::vector<unsigned char> image;
+  int coordinates[3];
+  int rank;
+};
+
 struct Fiber {
   void* sp = nullptr;
   bool done = false;
@@ -114,6 +124,8 @@ struct Fiber {
   std::deque<std::vector<PendingCopy>> committed;   // groups in flight, oldest first
   std::vector<std::function<void()>> wgmma_uncommitted;
   std::deque<std::vector<std::function<void()>>> wgmma_committed;
+  std::vector<TmaStore> stores_uncommitted;             // TMA stores issued since the last bulk commit
+  std::deque<std::vector<TmaStore>> stores_committed;   // bulk groups in flight, oldest first
   // Per mbarrier, the completed phases this thread has seen (a successful try_wait): what of the
   // TMA copies it may read.
   std::vector<std::pair<const uint64_t*, uint64_t>> seen_phases;
@@ -134,6 +146,8 @@ struct Fiber {
     committed.clear();
     wgmma_uncommitted.clear();
     wgmma_committed.clear();
+    stores_uncommitted.clear();
+    stores_committed.clear();
   }
 };
 
@@ -222,6 +236,9 @@ void fiber_main(void*) {
   Fiber& me = *host.running;
   if (!me.wgmma_uncommitted.empty() || !me.wgmma_committed.empty())
     fatal("a thread exited with wgmma operations it never waited for");
+  if (!me.stores_uncommitted.empty() || !me.stores_committed.empty())
+    fatal("a thread exited with TMA stores it never waited for (cp.async.bulk.wait_group): the shared memory they "
+          "read goes with the block");
   me.done = true;
   Block& b = host.block;
   --b.live;
@@ -377,11 +394,15 @@ void async_copy(void* shared, const void* global, size_t bytes) {
   host.running->uncommitted.push_back(c);
 }
 
-void async_copy_commit() {
-  Fiber& f = *host.running;
-  f.committed.push_back(std::move(f.uncommitted));
-  f.uncommitted.clear();
+// The operations issued since the last commit become the newest group in flight (cp.async copies,
+// wgmma products and TMA stores alike).
+template <typename Operation>
+void commit_group(std::vector<Operation>& uncommitted, std::deque<std::vector<Operation>>& committed) {
+  committed.push_back(std::move(uncommitted));
+  uncommitted.clear();
 }
+
+void async_copy_commit() { commit_group(host.running->uncommitted, host.running->committed); }
 
 void async_copy_wait(int pending_groups_left) {
   Fiber& f = *host.running;
@@ -416,8 +437,7 @@ void wgmma_issue(std::function<void()> land) {
 
 void wgmma_commit() {
   Fiber& f = *host.running;
-  f.wgmma_committed.push_back(std::move(f.wgmma_uncommitted));
-  f.wgmma_uncommitted.clear();
+  commit_group(f.wgmma_uncommitted, f.wgmma_committed);
   f.wgmma_fenced = false;
 }
 
@@ -572,53 +592,72 @@ void check_tma_visible(uint32_t window_address, const char* reader) {
   }
 }
 
+// The tensor map at map_address, checked for a TMA operation (`what`) of this rank on shared memory
+// at `shared` (128-byte aligned, the box within the dynamic shared memory): the map and the box's bytes.
+std::pair<EmulatedTensorMap, uint32_t> checked_tma_box(const void* map_address, int rank, const void* shared,
+                                                       const char* what) {
+  EmulatedTensorMap map;
+  std::memcpy(&map, map_address, sizeof map);
+  if (map.magic != EmulatedTensorMap::kMagic)
+    fatal(std::string(what) + " through bytes that cuTensorMapEncodeTiled did not write (not a tensor map)");
+  if (int(map.rank) != rank)
+    fatal("a " + std::to_string(rank) + "-D " + what + " through a tensor map of rank " + std::to_string(map.rank));
+  if (shared_window_address(shared) % 128) fatal(std::string(what) + " on shared memory that is not 128-byte aligned");
+  uint32_t elements = 1;
+  for (int d = 0; d < rank; ++d) elements *= map.box[d];
+  const uint32_t row_bytes = map.box[0] * map.element_bytes, bytes = elements * map.element_bytes;
+  if (map.swizzle_bytes && row_bytes != map.swizzle_bytes)
+    fatal("a swizzled TMA box whose rows are not one swizzle span (the emulator implements only that)");
+  const Block& b = host.block;
+  if (uint64_t(static_cast<const unsigned char*>(shared) - b.shared.data()) + bytes > b.shared.size())
+    fatal(std::string(what) + " past the end of the dynamic shared memory");
+  return {map, bytes};
+}
+
+// Each element of the box at `coordinates`: visit(byte offset in the box as shared memory holds it
+// (row-major, then swizzled), its global address, or null outside the matrix).
+template <typename Visit>
+void for_each_box_element(const EmulatedTensorMap& map, const int* coordinates, int rank, uint32_t window,
+                          Visit visit) {
+  uint32_t elements = 1;
+  for (int d = 0; d < rank; ++d) elements *= map.box[d];
+  for (uint32_t e = 0; e < elements; ++e) {
+    uint32_t index[3] = {e % map.box[0], 0, 0};
+    if (rank > 1) index[1] = e / map.box[0] % map.box[1];
+    if (rank > 2) index[2] = e / (map.box[0] * map.box[1]);
+    bool inside = true;
+    const unsigned char* global = map.base;
+    for (int d = 0; d < rank; ++d) {
+      const int64_t at = int64_t(coordinates[d]) + index[d];
+      inside = inside && at >= 0 && uint64_t(at) < map.dims[d];
+      global += at * int64_t(map.strides[d]);
+    }
+    uint32_t address = window + e * map.element_bytes;
+    if (map.swizzle_bytes) address ^= (address >> 7 & (map.swizzle_bytes / 16 - 1)) << 4;
+    visit(address - window, inside ? global : nullptr);
+  }
+}
+
 void tma_load(void* shared, const void* map_address, const int* coordinates, int rank, uint64_t* barrier) {
   Block& b = host.block;
   MBarrier& m = initialised_mbarrier(barrier, "a TMA copy (cp.async.bulk.tensor)");
   if (!m.published)
     fatal("a TMA copy completes on the mbarrier at " + shared_offset(barrier) +
           ", whose mbarrier.init no fence.mbarrier_init made visible to the async proxy");
-  EmulatedTensorMap map;
-  std::memcpy(&map, map_address, sizeof map);
-  if (map.magic != EmulatedTensorMap::kMagic)
-    fatal("a TMA copy through bytes that cuTensorMapEncodeTiled did not write (not a tensor map)");
-  if (int(map.rank) != rank)
-    fatal("a " + std::to_string(rank) + "-D TMA copy through a tensor map of rank " + std::to_string(map.rank));
-  const uint32_t window = shared_window_address(shared);
-  if (window % 128) fatal("a TMA copy into shared memory that is not 128-byte aligned");
-  uint32_t elements = 1;
-  for (int d = 0; d < rank; ++d) elements *= map.box[d];
-  const uint32_t row_bytes = map.box[0] * map.element_bytes, bytes = elements * map.element_bytes;
-  if (map.swizzle_bytes && row_bytes != map.swizzle_bytes)
-    fatal("a swizzled TMA box whose rows are not one swizzle span (the emulator implements only that)");
+  const auto [map, bytes] = checked_tma_box(map_address, rank, shared, "a TMA copy");
   auto* destination = static_cast<unsigned char*>(shared);
-  if (uint64_t(destination - b.shared.data()) + bytes > b.shared.size())
-    fatal("a TMA copy past the end of the dynamic shared memory");
   for (const auto& [other, state] : b.mbarriers)
     for (const auto* copies : {&state.in_flight, &state.unlanded})
       for (const TmaCopy& c : *copies)
         if (overlaps(c, destination, bytes))
           fatal("a TMA copy into shared memory that an earlier copy, not yet waited for, also fills");
   TmaCopy copy{destination, std::vector<unsigned char>(bytes)};
-  for (uint32_t e = 0; e < elements; ++e) {
-    uint32_t index[3] = {e % map.box[0], 0, 0};
-    if (rank > 1) index[1] = e / map.box[0] % map.box[1];
-    if (rank > 2) index[2] = e / (map.box[0] * map.box[1]);
-    bool inside = true;
-    const unsigned char* source = map.base;
-    for (int d = 0; d < rank; ++d) {
-      const int64_t at = int64_t(coordinates[d]) + index[d];
-      inside = inside && at >= 0 && uint64_t(at) < map.dims[d];
-      source += at * int64_t(map.strides[d]);
-    }
-    uint32_t address = window + e * map.element_bytes;  // the box row-major, then swizzled
-    if (map.swizzle_bytes) address ^= (address >> 7 & (map.swizzle_bytes / 16 - 1)) << 4;
-    unsigned char* to = copy.image.data() + (address - window);
-    if (inside)
-      std::memcpy(to, source, map.element_bytes);
+  for_each_box_element(map, coordinates, rank, shared_window_address(shared), [&](uint32_t at, const unsigned char* g) {
+    if (g)
+      std::memcpy(copy.image.data() + at, g, map.element_bytes);
     else
-      std::memset(to, 0, map.element_bytes);  // out of bounds: zeros
-  }
+      std::memset(copy.image.data() + at, 0, map.element_bytes);  // out of bounds: zeros
+  });
   std::memset(destination, 0xFF, bytes);
   auto& regions = b.tma_regions;
   regions.erase(std::remove_if(regions.begin(), regions.end(),
@@ -628,6 +667,33 @@ void tma_load(void* shared, const void* map_address, const int* coordinates, int
   m.issued += bytes;
   ++b.progress;
   complete_phase_if_done(m, barrier);
+}
+
+void tma_store(const void* shared, const void* map_address, const int* coordinates, int rank) {
+  const auto [map, bytes] = checked_tma_box(map_address, rank, shared, "a TMA store");
+  const auto* source = static_cast<const unsigned char*>(shared);
+  TmaStore store{map, source, std::vector<unsigned char>(source, source + bytes), {0, 0, 0}, rank};
+  std::copy(coordinates, coordinates + rank, store.coordinates);
+  host.running->stores_uncommitted.push_back(std::move(store));
+}
+
+void bulk_commit() { commit_group(host.running->stores_uncommitted, host.running->stores_committed); }
+
+void bulk_wait(int pending_groups_left) {
+  Fiber& f = *host.running;
+  while (int(f.stores_committed.size()) > pending_groups_left) {
+    for (const TmaStore& s : f.stores_committed.front()) {
+      // The GPU reads the box at some time between the issue and this wait: it must not change then.
+      if (std::memcmp(s.image.data(), s.shared, s.image.size()) != 0)
+        fatal("shared memory a TMA store reads changed between the store's issue and the wait for it: written after "
+              "the store was issued (a barrier missing before it) or reused before cp.async.bulk.wait_group.read");
+      for_each_box_element(s.map, s.coordinates, s.rank, shared_window_address(s.shared),
+                           [&](uint32_t at, const unsigned char* g) {
+                             if (g) std::memcpy(const_cast<unsigned char*>(g), s.image.data() + at, s.map.element_bytes);
+                           });  // out of bounds: not written
+    }
+    f.stores_committed.pop_front();
+  }
 }
 
 void named_barrier(int id, int threads, bool wait) {

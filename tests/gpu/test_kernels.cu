@@ -160,8 +160,8 @@ TEST_CASE("relu^2 forward and backward (relu(u) from u, and from a = relu(u)^2 i
 // Our GEMM (TMA, warp-specialised wgmma) against double loops, B K-major (C = A B^T) and N-major
 // (C = A B), plain and with the MLP's ReLU² epilogues (forward: relu(A B^T)^2; backward: (A B) 2
 // sqrt(a), in place over a as it may run): 12 output tiles of 128 x 256 (more than the emulator's 8
-// SMs: CTAs walk several) and 5 k blocks (more than the 4 stages: the ring wraps), outputs
-// poisoned; shapes off the tiles refused.
+// SMs: CTAs walk several, their TMA stores from one staging tile each) and 5 k blocks (more than the
+// 3 stages: the ring wraps), outputs poisoned; shapes off the tiles and misaligned starts refused.
 TEST_CASE("gemm with an epilogue: A B^T, relu(A B^T)^2, A B, (A B) 2 sqrt(a) (12 tiles, 5 k blocks)") {
   using namespace gemm_epilogue;
   const int M = 512, N = 768, K = 320;
@@ -197,7 +197,9 @@ TEST_CASE("gemm with an epilogue: A B^T, relu(A B^T)^2, A B, (A B) 2 sqrt(a) (12
   CHECK_THROWS_WITH(matmul_relu_squared(a_dev.get(), b_dev.get(), c_relu.get(), M, N, 96, 0),
                     "gemm with epilogue: 512x768x96 (M x N x K) must be multiples of 128 x 256 x 64");
   CHECK_THROWS_WITH(matmul_relu_squared(a_dev.get() + 1, b_dev.get(), c_relu.get(), M, N, K, 0),
-                    "gemm with epilogue: A and B must start 16-byte aligned");
+                    "gemm with epilogue: A, B and C must start 16-byte aligned");
+  CHECK_THROWS_WITH(matmul_relu_squared(a_dev.get(), b_dev.get(), c_relu.get() + 4, M, N, K, 0),
+                    "gemm with epilogue: A, B and C must start 16-byte aligned");
   CHECK_THROWS_WITH(matmul_relu_squared_backward(a_dev.get(), b_t_dev.get(), du.get() + 1, du.get(), M, N, K, 0),
                     "ReLU²'s backward reads a, which must start 4-byte aligned");
 }
