@@ -51,12 +51,12 @@ struct QkvEpilogue {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // the thread's rows: fragment_row(0) and fragment_row(2)
       const int t = out.row0 + gemm_epilogue::TileOutput::row_of(2 * half);
-      const size_t out = size_t(t) * d + out_col0;
+      const size_t row_start = size_t(t) * d + out_col0;  // in q, k or v
       if (which == 2) {  // v = sa0 v_raw + sa1 ve
         const float alpha = *sa0, beta = ve ? *sa1 : 0.0f;
 #pragma unroll
         for (int n = 0; n < kN; ++n) {
-          const size_t at = out + wgmma_tiles::fragment_col(n, 0);
+          const size_t at = row_start + wgmma_tiles::fragment_col(n, 0);
           float y0 = 0.0f, y1 = 0.0f;
           if (ve) {
             const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(ve + at);
@@ -100,7 +100,7 @@ struct QkvEpilogue {
       }
 #pragma unroll
       for (int n = 0; n < kN; ++n)
-        *reinterpret_cast<uint32_t*>(dst + out + wgmma_tiles::fragment_col(n, 0)) =
+        *reinterpret_cast<uint32_t*>(dst + row_start + wgmma_tiles::fragment_col(n, 0)) =
             wgmma_tiles::pack_bf16(acc[n][2 * half], acc[n][2 * half + 1]);
     }
   }

@@ -644,7 +644,10 @@ void tma_load(void* shared, const void* map_address, const int* coordinates, int
   if (!m.published)
     fatal("a TMA copy completes on the mbarrier at " + shared_offset(barrier) +
           ", whose mbarrier.init no fence.mbarrier_init made visible to the async proxy");
-  const auto [map, bytes] = checked_tma_box(map_address, rank, shared, "a TMA copy");
+  // (not a structured binding: the lambda below captures the map, which C++17 allows only for variables)
+  const auto checked = checked_tma_box(map_address, rank, shared, "a TMA copy");
+  const EmulatedTensorMap& map = checked.first;
+  const uint32_t bytes = checked.second;
   auto* destination = static_cast<unsigned char*>(shared);
   for (const auto& [other, state] : b.mbarriers)
     for (const auto* copies : {&state.in_flight, &state.unlanded})
