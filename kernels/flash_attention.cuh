@@ -719,8 +719,7 @@ __device__ inline void store_q_rows_into_dqkv(float (&g)[kDsRows / 8][4], int q_
   constexpr int kN = kDsRows / 8, kTurning = kAttentionHeadDim / 4;
   static_assert(2 * kDsRows * kTurning * sizeof(float) <= kDsRows * kTile * sizeof(bf16),
                 "the exchange fits the dS tile");
-  const int warp = threadIdx.x / 32, group = warp / 4;
-  auto row_of = [&](int half) { return warp % 4 * 16 + fragment_row(2 * half); };
+  const int group = threadIdx.x / 128;
   auto exchanged = [&](int from_group, int row, int n) {
     return reinterpret_cast<float2*>(exchange + (from_group * kDsRows + row) * kTurning +
                                      (fragment_col(n, 0) ^ (row % 4 * 8)));
@@ -730,12 +729,12 @@ __device__ inline void store_q_rows_into_dqkv(float (&g)[kDsRows / 8][4], int q_
   for (int half = 0; half < 2; ++half)
 #pragma unroll
     for (int n = 0; n < kTurning / 8; ++n)
-      *exchanged(group, row_of(half), n) = make_float2(g[n][2 * half], g[n][2 * half + 1]);
+      *exchanged(group, warpgroup_fragment_row(2 * half), n) = make_float2(g[n][2 * half], g[n][2 * half + 1]);
   __syncthreads();
   float turned[2][kN][2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = row_of(half), t = q_first + row;
+    const int row = warpgroup_fragment_row(2 * half), t = q_first + row;
     const float* angles = grad.cos_sin + size_t(t) * kRopeHeadDim;
 #pragma unroll
     for (int n = 0; n < kN; ++n) turned[half][n][0] = g[n][2 * half], turned[half][n][1] = g[n][2 * half + 1];
@@ -758,7 +757,7 @@ __device__ inline void store_q_rows_into_dqkv(float (&g)[kDsRows / 8][4], int q_
   __syncthreads();
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = row_of(half), t = q_first + row;
+    const int row = warpgroup_fragment_row(2 * half), t = q_first + row;
     const float2 first = row_sums[row], second = row_sums[kDsRows + row];
     const size_t at = grad.row(t, 0, h, H) + group * kDsRows;
     store_norm_backward(grad.dqkv + at, grad.qkv + at, turned[half],
@@ -799,10 +798,11 @@ __device__ inline int* add_dq_contribution(float (&part)[kDsRows / 8][4], const 
     if (threadIdx.x == 0) wait_for_turn(counter, turn);
     __syncthreads();
   }
-  const int warp = threadIdx.x / 32;
+  // element (n, half) of the thread's part: its query row and column (each warpgroup 64 of them)
+  auto row_of = [&](int half) { return q_first + warpgroup_fragment_row(2 * half); };
+  auto col_of = [&](int n) { return threadIdx.x / 128 * 64 + fragment_col(n, 0); };
   auto sum_at = [&](int n, int half) {
-    const int row = q_first + warp % 4 * 16 + fragment_row(2 * half), col = warp / 4 * 64 + fragment_col(n, 0);
-    return reinterpret_cast<float2*>(s.sums + (size_t(h) * a.T + row) * kAttentionHeadDim + col);
+    return reinterpret_cast<float2*>(s.sums + (size_t(h) * a.T + row_of(half)) * kAttentionHeadDim + col_of(n));
   };
   if (turn + 1 < contributors) {
 #pragma unroll
@@ -834,8 +834,7 @@ __device__ inline int* add_dq_contribution(float (&part)[kDsRows / 8][4], const 
     for (int n = 0; n < kDsRows / 8; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = q_first + warp % 4 * 16 + fragment_row(2 * half), col = warp / 4 * 64 + fragment_col(n, 0);
-        *reinterpret_cast<uint32_t*>(out.dq + (size_t(row) * a.H + h) * kAttentionHeadDim + col) =
+        *reinterpret_cast<uint32_t*>(out.dq + (size_t(row_of(half)) * a.H + h) * kAttentionHeadDim + col_of(n)) =
             pack_bf16(part[n][2 * half], part[n][2 * half + 1]);
       }
   }
@@ -1116,8 +1115,7 @@ inline void flash_attention_backward_into_dqkv(const bf16* q, const bf16* k, con
   const int ctas = a.T / flash::kTile * a.H;
   grad.value_mix_partials = scratch + attention_backward_scratch_floats(a.T, a.H) - 2 * size_t(ctas);
   launch_fused_backward<true>(q, k, v, dy, lse, scratch, nullptr, nullptr, nullptr, grad, a, mask, stream);
-  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(grad.value_mix_partials, ctas, dsa0, dsa1);
-  CUDA_CHECK_LAUNCH();
+  add_scalar_gradients(grad.value_mix_partials, ctas, dsa0, dsa1, nullptr, stream);
 }
 
 // The backward as two kernels that each recompute the scores (`--attention flash-split`): dq per

@@ -54,12 +54,10 @@ struct TileOutput {
     *reinterpret_cast<uint32_t*>(staging + swizzled<kOutputRows>(row, col)) = pair;
   }
   __device__ size_t index(int row, int col) const { return size_t(row0 + row) * N + col0 + col; }
-  // The thread's rows of the part: accumulator register e's (fragment_row), in its warp's 16.
-  __device__ static int row_of(int e) { return threadIdx.x / 32 % 4 * 16 + fragment_row(e); }
 };
 
 // Epilogues: `store` puts a consumer thread's part of the output tile from its accumulators:
-// acc[n][e] holds element (TileOutput::row_of(e), fragment_col(n, e)) of its warpgroup's part.
+// acc[n][e] holds element (warpgroup_fragment_row(e), fragment_col(n, e)) of its warpgroup's part.
 // check(): the host's refusals of what an epilogue's own operands would fault on.
 //
 // The elementwise ones (Derived maps x0, x1 to the bf16 pair C[index], C[index + 1]):
@@ -71,8 +69,9 @@ struct Elementwise {
     for (int n = 0; n < kTileCols / 8; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = TileOutput::row_of(2 * half), col = fragment_col(n, 0);
-        out.put(row, col, static_cast<const Derived&>(*this)(acc[n][2 * half], acc[n][2 * half + 1], out.index(row, col)));
+        const int row = warpgroup_fragment_row(2 * half), col = fragment_col(n, 0);
+        const Derived& pair_of = static_cast<const Derived&>(*this);
+        out.put(row, col, pair_of(acc[n][2 * half], acc[n][2 * half + 1], out.index(row, col)));
       }
   }
 };

@@ -50,7 +50,7 @@ struct QkvEpilogue {
     gemm_epilogue::Identity{}.store(acc, out);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // the thread's rows: fragment_row(0) and fragment_row(2)
-      const int t = out.row0 + gemm_epilogue::TileOutput::row_of(2 * half);
+      const int t = out.row0 + wgmma_tiles::warpgroup_fragment_row(2 * half);
       const size_t row_start = size_t(t) * d + out_col0;  // in q, k or v
       if (which == 2) {  // v = sa0 v_raw + sa1 ve
         const float alpha = *sa0, beta = ve ? *sa1 : 0.0f;

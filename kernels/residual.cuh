@@ -181,6 +181,13 @@ __global__ void add_scalar_gradients_kernel(const float* partial, int blocks, fl
   }
 }
 
+// The same on the stream (da, db or dc null: that sum is skipped).
+inline void add_scalar_gradients(const float* partial, int blocks, float* da, float* db, float* dc,
+                                 cudaStream_t stream) {
+  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(partial, blocks, da, db, dc);
+  CUDA_CHECK_LAUNCH();
+}
+
 // Gradients of out = a x + b y (a or b null: 1): dx (stride x_stride, may alias dout) = a dout, dy (+)= b dout, and
 // the scalar gradients da += sum(dout x), db += sum(dout y) (each skipped when null). scratch holds
 // kScalarReductionScratchFloats floats.
@@ -194,8 +201,7 @@ inline void weighted_sum_backward(const bf16* dout, const bf16* x, const float* 
                                                            dx, dy, accumulate_dy, scratch, T, d);
   CUDA_CHECK_LAUNCH();
   if (!da && !db) return;
-  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(scratch, blocks, da, db);
-  CUDA_CHECK_LAUNCH();
+  add_scalar_gradients(scratch, blocks, da, db, nullptr, stream);
 }
 
 // The backward of a block's input (mix_norm_forward), once dh holds the gradient of its norm h, in
@@ -287,8 +293,7 @@ inline void mix_norm_backward(const bf16* x_mixed, const bf16* dh, bf16* dx, con
   mix_norm_backward_kernel<<<blocks, warps * 32, 0, stream>>>(x_mixed, dh, dx, x_in, x0, l0, l1, dx0, skip, w, dskip,
                                                                dx_plus, scratch, T, d, eps);
   CUDA_CHECK_LAUNCH();
-  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(scratch, blocks, dl0, dl1, dw);
-  CUDA_CHECK_LAUNCH();
+  add_scalar_gradients(scratch, blocks, dl0, dl1, dw, stream);
 }
 
 // dst[n] += src[n], bf16, n a multiple of 8

@@ -65,6 +65,8 @@ __device__ inline void zero(float (&acc)[N][4]) {
 // The element of accumulator n-tile n, register e: its row and column inside the 16 x 8N tile.
 __device__ inline int fragment_row(int e) { return threadIdx.x % 32 / 4 + (e >= 2 ? 8 : 0); }
 __device__ inline int fragment_col(int n, int e) { return n * 8 + threadIdx.x % 4 * 2 + (e & 1); }
+// Its row inside the warpgroup's 64-row accumulator (the thread's warp holds rows 16 (warp % 4) ..).
+__device__ inline int warpgroup_fragment_row(int e) { return threadIdx.x / 32 % 4 * 16 + fragment_row(e); }
 
 // The u-th use of a ring of `stages` buffers (the u-th tile a CTA walks through it): its stage and
 // the parity of that stage's mbarrier phase.
