@@ -154,11 +154,12 @@ inline std::vector<float> random_f32(size_t n, double std, uint64_t seed) {
   return std::vector<float>(v.begin(), v.end());
 }
 
-// relative_error of a fast path's outputs, which its injected fault (tests only) scales by 1.25
-// first: a wrong result.
+// What a fast path's injected fault (tests only) multiplies its outputs by: a wrong result.
+inline double injected_scale(Fault fault) { return injected_fault() == fault ? 1.25 : 1.0; }
+
+// relative_error of a fast path's outputs, scaled by its injected fault first.
 inline double fast_path_error(std::vector<double> fast, const std::vector<double>& ref, Fault fault) {
-  if (injected_fault() == fault)
-    for (double& x : fast) x *= 1.25;
+  for (double& x : fast) x *= injected_scale(fault);
   return relative_error(fast, ref);
 }
 
@@ -253,7 +254,7 @@ inline double qkv_backward_error(const SelfCheckShape& s, const uint16_t* tokens
   const double scales[2] = {product_terms_scale(dv, raw.data() + 2 * d, T, d, 3 * d),
                             product_terms_scale(dv, embedding.data(), T, d, d)};
   for (int i = 0; i < 2; ++i) {
-    const double fast = outputs[0][2][i] * (injected_fault() == Fault::wrong_qkv_backward ? 1.25 : 1.0);
+    const double fast = outputs[0][2][i] * injected_scale(Fault::wrong_qkv_backward);
     worst = std::max(worst, error_on_scale(fast, outputs[1][2][i], scales[i]));
   }
   return worst;
