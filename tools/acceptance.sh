@@ -482,6 +482,12 @@ phase_profile() {
 phase_bench() {
   need_gpu || return 77
   build_targets bench_kernels || return 1
+  # The cuDNN rows load libcudnn.so.9: the system's, else the copy PyTorch's wheels bring.
+  local cudnn_dir
+  if ! ldconfig -p 2> /dev/null | grep -q 'libcudnn\.so\.9 ' &&
+    cudnn_dir=$(python3 -c 'import nvidia.cudnn as m; print(list(m.__path__)[0] + "/lib")' 2> /dev/null); then
+    export LD_LIBRARY_PATH=$cudnn_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
   capture "$work/bench_kernels.txt" build/bench_kernels 20
   local status=$?
   say "" "### Our kernels (\`build/bench_kernels 20\`)" "" "$(grep -v '^error' "$work/bench_kernels.txt")"

@@ -9,6 +9,7 @@
 #include "data/dataloader.h"
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
+#include "kernels/check_arrays.cuh"
 #include "kernels/cross_entropy.cuh"
 #include "kernels/embedding.cuh"
 #include "kernels/flash_attention.cuh"
@@ -31,6 +32,9 @@
 #include <random>
 #include <string>
 #include <vector>
+#if __has_include(<cudnn_graph.h>)
+#include "tools/cudnn_fusion.h"
+#endif
 
 namespace {
 
@@ -214,6 +218,72 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
   for (void* p : {(void*)h_attn, (void*)w_qkv, (void*)qkv, (void*)ve, (void*)q, (void*)k, (void*)v, (void*)lambdas,
                   (void*)cos_sin})
     cudaFree(p);
+}
+
+// Issue 29, item 4's other candidate: cuDNN's graph API fusing the same two epilogues (ReLU² after
+// the fc product; 2 sqrt(a) times the proj's input gradient), the fastest of the heuristics' first
+// plans (each timed), checked against cuBLASLt + the pass (relative error; bf16 rounding of the
+// product before the pass puts it near 2e-3). A row saying "n/a" gives the reason instead of a time.
+void bench_cudnn_fusions(Matmul& matmul, const Peaks& peaks) {
+  const char* fc_name = "mlp fc + relu^2: cuDNN graph, fused";
+  const char* proj_name = "mlp proj dx + relu^2 bwd: cuDNN graph";
+#if __has_include(<cudnn_graph.h>)
+  using namespace cudnn_fusion;
+  std::string why_not;
+  const Library* lib = Library::load(why_not);
+  if (!lib) {
+    for (const char* name : {fc_name, proj_name}) std::printf("| %-38s | n/a | %s |\n", name, why_not.c_str());
+    return;
+  }
+  const size_t n = size_t(T) * F;
+  bf16 *x = random_bf16(size_t(T) * D, 1.0f, 5), *w_fc = random_bf16(size_t(F) * D, 0.02f, 6);
+  bf16 *dy = random_bf16(size_t(T) * D, 1.0f, 7), *w_proj = random_bf16(size_t(D) * F, 0.02f, 8);
+  DeviceBuffer<bf16> ref(n), square(n), out(n);
+  float two = 2.0f;
+  Handle handle(*lib, 0);
+  // The reference a = relu(x W_fc^T)^2 (also the backward's a), then the reference du.
+  matmul(x, Transpose::N, w_fc, Transpose::T, ref.get(), T, F, D, CUDA_R_16BF, 0);
+  relu_squared_forward(ref.get(), square.get(), n, 0);
+  auto run = [&](const char* name, const Graph& graph, const std::vector<std::pair<int64_t, void*>>& tensors,
+                 const DeviceBuffer<bf16>& expected) {
+    try {
+      Descriptor op_graph = graph.operation_graph(handle.get());
+      int refused = 0;
+      std::vector<Plan> candidates = plans(*lib, handle.get(), op_graph, 6, refused);
+      if (candidates.empty()) {
+        std::printf("| %-38s | n/a | no engine (%d refused a plan) |\n", name, refused);
+        return;
+      }
+      size_t workspace_bytes = 0;
+      for (const Plan& p : candidates) workspace_bytes = std::max(workspace_bytes, size_t(p.workspace_bytes));
+      DeviceBuffer<char> workspace(workspace_bytes);
+      float best_ms = 0;
+      const Plan* best = nullptr;
+      for (const Plan& p : candidates) {
+        const float ms = median_ms([&] { execute(*lib, handle.get(), p, tensors, workspace.get()); });
+        if (!best || ms < best_ms) best_ms = ms, best = &p;
+      }
+      out.poison();
+      execute(*lib, handle.get(), *best, tensors, workspace.get());
+      const double error = relative_error(to_double(out.download()), to_double(expected.download()));
+      row(name, best_ms, 0, 2.0 * T * D * double(F), peaks);
+      std::printf("| %-38s | %s, fastest of %zu plans (%d refused), error %.1e against cuBLASLt + the pass%s |\n",
+                  "  (its plan and check)", best->engine.c_str(), candidates.size(), refused, error,
+                  error < 1e-2 ? "" : ": WRONG");
+    } catch (const std::exception& e) {
+      std::printf("| %-38s | n/a | %s |\n", name, e.what());
+    }
+  };
+  run(fc_name, mlp_fc_relu_squared(*lib, T, F, D), {{kInput, x}, {kWeight, w_fc}, {kOutput, out.get()}}, square);
+  matmul(dy, Transpose::N, w_proj, Transpose::N, ref.get(), T, F, D, CUDA_R_16BF, 0);
+  relu_squared_backward_from_square(square.get(), ref.get(), ref.get(), n, 0);
+  run(proj_name, mlp_proj_dx_relu_squared_backward(*lib, T, F, D),
+      {{kInput, dy}, {kWeight, w_proj}, {kSquare, square.get()}, {kTwo, &two}, {kOutput, out.get()}}, ref);
+  for (void* p : {(void*)x, (void*)w_fc, (void*)dy, (void*)w_proj}) cudaFree(p);
+#else
+  (void)matmul, (void)peaks;
+  for (const char* name : {fc_name, proj_name}) std::printf("| %-38s | n/a | built without cudnn_graph.h |\n", name);
+#endif
 }
 
 // The FP8 head of SPEC 1.5 over one micro-sequence: the T rows in chunks of 8192, as the model runs
@@ -548,7 +618,10 @@ int main(int argc, char** argv) {
     std::printf("| %-38s | %8s | %-15s | %6s |\n|---|---|---|---|\n", "kernel", "ms", "achieved", "of peak");
     Matmul matmul;
     Peaks peaks = measure_peaks(matmul);
-    if (wanted("matmul")) bench_matmuls(matmul, peaks);
+    if (wanted("matmul")) {
+      bench_matmuls(matmul, peaks);
+      bench_cudnn_fusions(matmul, peaks);
+    }
     if (wanted("fp8")) bench_fp8_head(matmul, peaks);
     if (wanted("muon")) bench_muon(matmul, peaks);
     if (wanted("rekls")) bench_rekls(matmul, peaks);
