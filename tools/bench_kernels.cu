@@ -227,12 +227,15 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
 void bench_cudnn_fusions(Matmul& matmul, const Peaks& peaks) {
   const char* fc_name = "mlp fc + relu^2: cuDNN graph, fused";
   const char* proj_name = "mlp proj dx + relu^2 bwd: cuDNN graph";
+  auto not_available = [&](const char* name, const std::string& why) {
+    std::printf("| %-38s | n/a | %s |\n", name, why.c_str());
+  };
 #if __has_include(<cudnn_graph.h>)
   using namespace cudnn_fusion;
   std::string why_not;
   const Library* lib = Library::load(why_not);
   if (!lib) {
-    for (const char* name : {fc_name, proj_name}) std::printf("| %-38s | n/a | %s |\n", name, why_not.c_str());
+    for (const char* name : {fc_name, proj_name}) not_available(name, why_not);
     return;
   }
   const size_t n = size_t(T) * F;
@@ -240,49 +243,61 @@ void bench_cudnn_fusions(Matmul& matmul, const Peaks& peaks) {
   bf16 *dy = random_bf16(size_t(T) * D, 1.0f, 7), *w_proj = random_bf16(size_t(D) * F, 0.02f, 8);
   DeviceBuffer<bf16> ref(n), square(n), out(n);
   float two = 2.0f;
-  Handle handle(*lib, 0);
   // The reference a = relu(x W_fc^T)^2 (also the backward's a), then the reference du.
   matmul(x, Transpose::N, w_fc, Transpose::T, ref.get(), T, F, D, CUDA_R_16BF, 0);
   relu_squared_forward(ref.get(), square.get(), n, 0);
-  auto run = [&](const char* name, const Graph& graph, const std::vector<std::pair<int64_t, void*>>& tensors,
-                 const DeviceBuffer<bf16>& expected) {
+  // Each row's failure (cuDNN's sub-libraries, a driver too old for them, no engine) prints its
+  // reason and leaves the other sections to run.
+  auto run = [&](const char* name, const std::function<Graph()>& build,
+                 const std::vector<std::pair<int64_t, void*>>& tensors, const DeviceBuffer<bf16>& expected) {
     try {
+      Handle handle(*lib, 0);
+      const Graph graph = build();
       Descriptor op_graph = graph.operation_graph(handle.get());
       int refused = 0;
-      std::vector<Plan> candidates = plans(*lib, handle.get(), op_graph, 6, refused);
-      if (candidates.empty()) {
-        std::printf("| %-38s | n/a | no engine (%d refused a plan) |\n", name, refused);
-        return;
-      }
+      std::string last_refusal;
+      std::vector<Plan> candidates = plans(*lib, handle.get(), op_graph, 6, refused, last_refusal);
       size_t workspace_bytes = 0;
       for (const Plan& p : candidates) workspace_bytes = std::max(workspace_bytes, size_t(p.workspace_bytes));
       DeviceBuffer<char> workspace(workspace_bytes);
+      const VariantPack pack(*lib, tensors, workspace.get());
       float best_ms = 0;
       const Plan* best = nullptr;
+      int timed = 0;
       for (const Plan& p : candidates) {
-        const float ms = median_ms([&] { execute(*lib, handle.get(), p, tensors, workspace.get()); });
-        if (!best || ms < best_ms) best_ms = ms, best = &p;
+        try {
+          const float ms = median_ms([&] { execute(*lib, handle.get(), p, pack); });
+          ++timed;
+          if (!best || ms < best_ms) best_ms = ms, best = &p;
+        } catch (const std::exception& e) {
+          ++refused;
+          last_refusal = e.what();
+        }
+      }
+      if (!best) {
+        not_available(name, "no plan ran (" + std::to_string(refused) + " refused; last: " + last_refusal + ")");
+        return;
       }
       out.poison();
-      execute(*lib, handle.get(), *best, tensors, workspace.get());
+      execute(*lib, handle.get(), *best, pack);
       const double error = relative_error(to_double(out.download()), to_double(expected.download()));
       row(name, best_ms, 0, 2.0 * T * D * double(F), peaks);
-      std::printf("| %-38s | %s, fastest of %zu plans (%d refused), error %.1e against cuBLASLt + the pass%s |\n",
-                  "  (its plan and check)", best->engine.c_str(), candidates.size(), refused, error,
-                  error < 1e-2 ? "" : ": WRONG");
+      std::printf("| %-38s | %s, fastest of %d plans timed (%d refused), error %.1e against cuBLASLt + the pass%s |\n",
+                  "  (its plan and check)", best->engine.c_str(), timed, refused, error, error < 1e-2 ? "" : ": WRONG");
     } catch (const std::exception& e) {
-      std::printf("| %-38s | n/a | %s |\n", name, e.what());
+      not_available(name, e.what());
     }
   };
-  run(fc_name, mlp_fc_relu_squared(*lib, T, F, D), {{kInput, x}, {kWeight, w_fc}, {kOutput, out.get()}}, square);
+  run(fc_name, [&] { return mlp_fc_relu_squared(*lib, T, F, D); }, {{kInput, x}, {kWeight, w_fc}, {kOutput, out.get()}},
+      square);
   matmul(dy, Transpose::N, w_proj, Transpose::N, ref.get(), T, F, D, CUDA_R_16BF, 0);
   relu_squared_backward_from_square(square.get(), ref.get(), ref.get(), n, 0);
-  run(proj_name, mlp_proj_dx_relu_squared_backward(*lib, T, F, D),
+  run(proj_name, [&] { return mlp_proj_dx_relu_squared_backward(*lib, T, F, D); },
       {{kInput, dy}, {kWeight, w_proj}, {kSquare, square.get()}, {kTwo, &two}, {kOutput, out.get()}}, ref);
   for (void* p : {(void*)x, (void*)w_fc, (void*)dy, (void*)w_proj}) cudaFree(p);
 #else
   (void)matmul, (void)peaks;
-  for (const char* name : {fc_name, proj_name}) std::printf("| %-38s | n/a | built without cudnn_graph.h |\n", name);
+  for (const char* name : {fc_name, proj_name}) not_available(name, "built without cudnn_graph.h");
 #endif
 }
 

@@ -116,7 +116,9 @@ class Handle {
  public:
   Handle(const Library& lib, cudaStream_t stream) : lib_(&lib) {
     lib.check(lib.create_handle(&h_), "cudnnCreate");
-    lib.check(lib.set_stream(h_, stream), "cudnnSetStream");
+    const cudnnStatus_t s = lib.set_stream(h_, stream);
+    if (s != CUDNN_STATUS_SUCCESS) lib.destroy_handle(h_);
+    lib.check(s, "cudnnSetStream");
   }
   ~Handle() { lib_->destroy_handle(h_); }
   Handle(const Handle&) = delete;
@@ -131,7 +133,7 @@ class Handle {
 enum class Storage { real, virtual_fp32, host_scalar };
 
 // The operations of one fused product, each descriptor finalised as it is added (no device
-// needed); `operation_graph` ties them to a handle.
+// needed); `operation_graph` ties them into cuDNN's graph.
 class Graph {
  public:
   explicit Graph(const Library& lib) : lib_(&lib) {}
@@ -142,7 +144,9 @@ class Graph {
                            Storage storage = Storage::real) {
     const bool is_virtual = storage == Storage::virtual_fp32, by_value = storage == Storage::host_scalar;
     const cudnnDataType_t type = storage == Storage::real ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
-    const int64_t dims[3] = {1, rows, cols}, strides[3] = {rows * cols, row_stride, col_stride}, alignment = 16;
+    // A host scalar is a float on the caller's stack: 4-byte aligned.
+    const int64_t dims[3] = {1, rows, cols}, strides[3] = {rows * cols, row_stride, col_stride},
+                  alignment = by_value ? 4 : 16;
     Descriptor t(*lib_, CUDNN_BACKEND_TENSOR_DESCRIPTOR, "tensor " + std::to_string(uid));
     t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, &type)
         .set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, dims, 3)
@@ -189,14 +193,15 @@ class Graph {
     ops_.push_back(std::move(op));
   }
 
-  // The operation graph on `handle` (a GPU's: cuDNN checks the graph against the device).
+  // The operation graph, where cuDNN checks the operations against each other (shapes, uids).
+  // `handle`: the GPU's; cuDNN 9.19 also finalises it without one (null), as the CPU test does,
+  // while older 9.x need it.
   Descriptor operation_graph(cudnnHandle_t handle) const {
     std::vector<cudnnBackendDescriptor_t> ops;
     for (const Descriptor& op : ops_) ops.push_back(op.get());
     Descriptor graph(*lib_, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph");
-    graph.set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, &handle)
-        .set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, ops.data(), int64_t(ops.size()))
-        .finalize();
+    if (handle) graph.set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, &handle);
+    graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, ops.data(), int64_t(ops.size())).finalize();
     return graph;
   }
 
@@ -252,13 +257,15 @@ inline Graph mlp_proj_dx_relu_squared_backward(const Library& lib, int64_t T, in
 struct Plan {
   Descriptor plan;
   int64_t workspace_bytes;
-  std::string engine;  // "engine <global index>[, compiled at run time]"
+  std::string engine;  // "config <i>: engine <global index>[, compiled at run time]"
 };
 
 // Plans for up to `most` of the engine configurations cuDNN's heuristics (mode A) propose for the
-// graph, best guess first; configurations whose plan cuDNN does not support (a status in the
-// 3000s) are skipped, counted in `refused`; any other failure throws.
-inline std::vector<Plan> plans(const Library& lib, cudnnHandle_t handle, const Descriptor& graph, int most, int& refused) {
+// graph, best guess first. A configuration whose plan does not finalise (not supported, or its
+// run-time compilation failed) is skipped, counted in `refused` with its last status in
+// `last_refusal`; a bad parameter (the 2000s: a mistake in the graph) throws.
+inline std::vector<Plan> plans(const Library& lib, cudnnHandle_t handle, const Descriptor& graph, int most, int& refused,
+                               std::string& last_refusal) {
   Descriptor heuristics(lib, CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "heuristics");
   const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
   heuristics.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph)
@@ -290,18 +297,19 @@ inline std::vector<Plan> plans(const Library& lib, cudnnHandle_t handle, const D
     lib.check(lib.get_attribute(engine_raw, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE,
                                 CUDNN_BEHAVIOR_NOTE_TYPE_COUNT, &notes_count, notes),
               "engine notes");
-    std::string name = "engine " + std::to_string(index);
+    std::string name = "config " + std::to_string(i) + ": engine " + std::to_string(index);
     for (int64_t k = 0; k < notes_count; ++k)
       if (notes[k] == CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION) name += ", compiled at run time";
     Descriptor plan(lib, CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, "plan of " + name);
     plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, &handle)
         .set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, &raw[i]);
     const cudnnStatus_t status = lib.finalize(plan.get());
-    if (status / 1000 == CUDNN_STATUS_NOT_SUPPORTED / 1000) {  // the 3000s: this engine cannot run the graph
+    if (status / 1000 == CUDNN_STATUS_BAD_PARAM / 1000) lib.check(status, "finalize " + plan.what());
+    if (status != CUDNN_STATUS_SUCCESS) {
       ++refused;
+      last_refusal = name + ": " + lib.error_string(status);
       continue;
     }
-    lib.check(status, "finalize " + plan.what());  // anything else is a mistake in the graph
     int64_t workspace = 0;
     lib.check(lib.get_attribute(plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &workspace),
               "workspace of " + name);
@@ -310,22 +318,32 @@ inline std::vector<Plan> plans(const Library& lib, cudnnHandle_t handle, const D
   return out;
 }
 
-// Runs `plan` on the handle's stream with the tensors `pointers` (by uid; a host scalar's pointer
-// is a host address) and `workspace` (its workspace_bytes, or null for none).
-inline void execute(const Library& lib, cudnnHandle_t handle, const Plan& plan,
-                    const std::vector<std::pair<int64_t, void*>>& pointers, void* workspace) {
-  std::vector<int64_t> uids;
-  std::vector<void*> data;
-  for (const auto& [uid, p] : pointers) {
-    uids.push_back(uid);
-    data.push_back(p);
+// The tensors of one run (by uid; a host scalar's pointer is a host address) and its workspace
+// (at least the plan's workspace_bytes, or null for none), built once: a timed run executes alone.
+class VariantPack {
+ public:
+  VariantPack(const Library& lib, const std::vector<std::pair<int64_t, void*>>& pointers, void* workspace)
+      : pack_(lib, CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, "variant pack") {
+    std::vector<int64_t> uids;
+    std::vector<void*> data;
+    for (const auto& [uid, p] : pointers) {
+      uids.push_back(uid);
+      data.push_back(p);
+    }
+    pack_.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, uids.data(), int64_t(uids.size()))
+        .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, data.data(), int64_t(data.size()))
+        .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, &workspace)
+        .finalize();
   }
-  Descriptor pack(lib, CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, "variant pack");
-  pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, uids.data(), int64_t(uids.size()))
-      .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, data.data(), int64_t(data.size()))
-      .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, &workspace)
-      .finalize();
-  lib.check(lib.execute(handle, plan.plan.get(), pack.get()), "execute " + plan.engine);
+  const Descriptor& get() const { return pack_; }
+
+ private:
+  Descriptor pack_;
+};
+
+// Runs `plan` on the handle's stream.
+inline void execute(const Library& lib, cudnnHandle_t handle, const Plan& plan, const VariantPack& pack) {
+  lib.check(lib.execute(handle, plan.plan.get(), pack.get().get()), "execute " + plan.engine);
 }
 
 }  // namespace cudnn_fusion
