@@ -97,9 +97,10 @@ std::vector<float> gather(const void* base, const Layout& l, bool k_is_row, size
   return out;
 }
 
-// fp32 sum of a[i] b[i] in eight interleaved partial sums (the compiler vectorises them); the
-// order differs from the tensor cores', whose order is unspecified anyway.
-float dot(const float* a, const float* b, size_t n) {
+// fp32 sum of a[i] b[i] in eight interleaved partial sums (the compiler vectorises them; with
+// AVX2, where the CPU has it, in one 8-float vector: the same sums bitwise, no FMA); the order
+// differs from the tensor cores', whose order is unspecified anyway.
+__attribute__((target_clones("avx2", "default"))) float dot(const float* a, const float* b, size_t n) {
   float partial[8] = {};
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
