@@ -405,6 +405,19 @@ class AcceptanceTest(unittest.TestCase):
         self.assertTrue(os.path.isdir(os.path.join(os.path.splitext(self.report)[0], "anchor",
                                                    "ours_M8___attention_flash_split")))
 
+    def test_anchor_runs_choose_the_runs_and_a_malformed_one_is_refused_before_any_phase(self):
+        status, report, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20",
+                                                 ANCHOR_VARIANTS="--attention flash-split")
+        self.assertEqual(status, 0, output)
+        programs = self.read(self.calls + ".programs").splitlines()
+        self.assertEqual([p.split()[0] for p in programs], ["train_gpt", "record_pytorch.py", "train_gpt"])
+        self.assertIn("| M = 8, ours --attention flash-split | 730.0 | 785.0 | 0.930 |", report)
+        self.assertNotIn("M = 1", report)
+        for bad in ("8 20", "8:0", "x:20", "8:20,1:60", "  "):
+            status, _, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS=bad)
+            self.assertEqual(status, 2, bad)
+            self.assertIn("error: ANCHOR_RUNS = ", output)
+
     def test_the_anchor_phase_fails_without_a_corpus_or_with_a_failed_run(self):
         os.remove(os.path.join(self.repo, "corpus-bin", "corpus_train_000001.bin"))
         status, report, _ = self.acceptance("anchor", gpus=1)

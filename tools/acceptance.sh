@@ -14,7 +14,9 @@
 #               the ratio (tools/record_pytorch.py; the corpus and the record's file staged by
 #               tools/corpus_run.sh stage); ANCHOR_VARIANTS="flags;flags..." adds runs of the
 #               trainer with those flags after its own, each in the table (e.g. a kernel's previous
-#               version behind a flag, measured in the same call)
+#               version behind a flag, measured in the same call); ANCHOR_RUNS="M:N ..." other runs
+#               than "8:20 1:60" (each run costs about 45 s of the trainer, 40-150 s of the record's
+#               code: "8:20" alone fits five variants into one device call)
 #   profile     every kernel's time in step 5 of 6 at M = 8, the trainer's and the record code's
 #               (tools/kernel_profile.so through --profile-step; tools/profile_summary.py), and where
 #               ncu reads hardware counters, those of the attention and cross-entropy kernels
@@ -45,6 +47,13 @@ phases=("$@")
 for phase in "${phases[@]}"; do
   if [[ " ${all_phases[*]} " != *" $phase "* ]]; then
     echo "usage: $0 [$(IFS='|' && echo "${all_phases[*]}")]... (no argument: every phase)" >&2
+    exit 2
+  fi
+done
+read -ra anchor_runs <<<"${ANCHOR_RUNS:-8:20 1:60}"
+for run in "${anchor_runs[@]:-none}"; do
+  if [[ ! $run =~ ^[1-9][0-9]*:[1-9][0-9]*$ ]]; then
+    echo "error: ANCHOR_RUNS = '${ANCHOR_RUNS:-}': each run must be M:N (micro-sequences:steps), e.g. \"8:20 1:60\"" >&2
     exit 2
   fi
 done
@@ -391,8 +400,8 @@ phase_anchor() {
     "(the record's formula). Mean step: the step lines' train_time from step $anchor_skip to N, over the steps" \
     "between (both programs' warm-ups are untimed; their first $anchor_skip timed steps are left out too)." "" \
     "| run | steps | wall s (start-up, compile, warm-up included) | mean step ms |" "|---|---|---|---|"
-  for run in "8 20" "1 60"; do
-    M=${run% *} N=${run#* } means=()
+  for run in "${anchor_runs[@]}"; do
+    M=${run%:*} N=${run#*:} means=()
     for who in ours record; do
       start=$SECONDS
       mean=$(anchor_run "$who" "$M" "$N" "$logs/anchor/${who}_M$M") || failed=1
