@@ -328,18 +328,23 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     // op(A)(i, kk) is A[i + kk lda] (N) or A[kk + i lda] (T); op(B)(kk, j) is B[kk + j ldb] (N) or B[j + kk ldb] (T).
     const std::vector<float> op_a = gather(A, a, ta, m, k, batch), op_b = gather(B, b, !tb, n, k, batch);
     const size_t c_offset = size_t(batch) * c.stride, d_offset = size_t(batch) * dl.stride;
-    for (size_t j = 0; j < n; ++j)
-      for (size_t i = 0; i < m; ++i) {
-        const float* row = &op_a[i * k];
-        const float* column = &op_b[j * k];
-        float value = scale * (fp8 ? fp8_tensor_core_dot(row, column, k, d.fast_accum) : dot(row, column, k));
-        if (beta_value != 0) value += beta_value * element(C, c.type, c_offset + i + j * c.ld);
-        const size_t at = d_offset + i + j * dl.ld;
-        if (dl.type == CUDA_R_32F)
-          static_cast<float*>(D)[at] = value;
-        else
-          static_cast<__nv_bfloat16*>(D)[at] = __float2bfloat16(value);
-      }
+    // op(A)'s rows in blocks of 32 KB, which stay in cache while every column of op(B) passes them.
+    const size_t rows_per_block = std::max<size_t>(1, (32 << 10) / (k * sizeof(float) + 1));
+    for (size_t first_row = 0; first_row < m; first_row += rows_per_block) {
+      const size_t end_row = std::min(m, first_row + rows_per_block);
+      for (size_t j = 0; j < n; ++j)
+        for (size_t i = first_row; i < end_row; ++i) {
+          const float* row = &op_a[i * k];
+          const float* column = &op_b[j * k];
+          float value = scale * (fp8 ? fp8_tensor_core_dot(row, column, k, d.fast_accum) : dot(row, column, k));
+          if (beta_value != 0) value += beta_value * element(C, c.type, c_offset + i + j * c.ld);
+          const size_t at = d_offset + i + j * dl.ld;
+          if (dl.type == CUDA_R_32F)
+            static_cast<float*>(D)[at] = value;
+          else
+            static_cast<__nv_bfloat16*>(D)[at] = __float2bfloat16(value);
+        }
+    }
   }
   return CUBLAS_STATUS_SUCCESS;
 }
