@@ -331,6 +331,25 @@ class AcceptanceTest(unittest.TestCase):
         self.assertTrue(os.access(os.path.join(build, "train_gpt"), os.X_OK))
         self.assertIn("SPEEDRUN_PREBUILT: build/ used as it is", report)
 
+    def test_staging_a_configured_build_first_builds_what_the_gpu_runs(self):
+        # the gpu tests that compile the trainer are not in `all` without a GPU: a stale one must not be carried
+        build = os.path.join(self.repo, "build")
+        for path in ("CMakeCache.txt", "tests/test_model"):
+            os.makedirs(os.path.dirname(os.path.join(build, path)), exist_ok=True)
+            open(os.path.join(build, path), "w").close()
+        environment = dict(os.environ, PATH=os.path.join(self.repo, "bin") + os.pathsep + os.environ["PATH"],
+                           FAKE_CALLS=self.calls)
+        run = lambda **env: subprocess.run(["bash", os.path.join(self.repo, "tools", "stage_build.sh")],
+                                           capture_output=True, text=True, timeout=60, env=dict(environment, **env))
+        result = run()
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("cmake --build build -j 2 --target gpu_tests bench_kernels", self.commands())
+        self.assertTrue(os.path.exists(os.path.join(self.repo, ".carry", "build", "tests", "test_model")))
+        result = run(FAKE_BUILD_FAILS="1")
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("building gpu_tests and bench_kernels failed: nothing staged", result.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".carry", "build")))  # the earlier staging is gone
+
     def test_a_trainer_without_the_self_check_is_reported_as_missing(self):
         status, report, _ = self.acceptance("self-check", gpus=1, FAKE_SELF_CHECK="unknown")
         self.assertEqual(status, 1)

@@ -6,11 +6,19 @@
 # CMake's own files, the emulated tests (CPU only), the frozen trainers' builds and the generated
 # sources (compiled in already). On the GPU machine, with SPEEDRUN_PREBUILT=1, tools/acceptance.sh and
 # tools/corpus_run.sh copy .carry/build/ into build/ where build/ has no trainer (the same toolkit at
-# the same paths: CTest's files name them). Usage: tools/stage_build.sh, after cmake --build build.
+# the same paths: CTest's files name them). In a configured build/ it first brings what the GPU
+# machine runs up to date (`--target gpu_tests bench_kernels`): without a GPU at configure time, the
+# gpu tests that compile the whole trainer are not part of `all`, so a plain build leaves them as
+# an earlier build made them, and they would be carried stale. Usage: tools/stage_build.sh
+# (SPEEDRUN_STAGE_JOBS: the build's parallel jobs, default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+rm -rf .carry/build  # a failure below leaves no earlier staging to be carried by mistake
+if [[ -f build/CMakeCache.txt ]]; then
+  cmake --build build -j "${SPEEDRUN_STAGE_JOBS:-2}" --target gpu_tests bench_kernels ||
+    { echo "error: building gpu_tests and bench_kernels failed: nothing staged" >&2; exit 1; }
+fi
 [[ -x build/train_gpt ]] || { echo "error: build/train_gpt is missing: build first (cmake --build build)" >&2; exit 1; }
-rm -rf .carry/build
 mkdir -p .carry/build
 (cd build && find . \( -name CMakeFiles -o -path ./tests/emulator -o -path ./tests/frozen_trainer_alone \
                        -o -path ./frozen -o -path ./generated -o -path ./Testing \) -prune \
