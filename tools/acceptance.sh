@@ -51,7 +51,7 @@ for phase in "${phases[@]}"; do
   fi
 done
 read -ra anchor_runs <<<"${ANCHOR_RUNS:-8:20 1:60}"
-for run in "${anchor_runs[@]:-none}"; do
+for run in "${anchor_runs[@]:-none}"; do  # "none": a blank ANCHOR_RUNS is refused too
   if [[ ! $run =~ ^[1-9][0-9]*:[1-9][0-9]*$ ]]; then
     echo "error: ANCHOR_RUNS = '${ANCHOR_RUNS:-}': each run must be M:N (micro-sequences:steps), e.g. \"8:20 1:60\"" >&2
     exit 2

@@ -4,8 +4,9 @@
 // call cuDNN (were it to win, it would get an emulator stand-in first, as cuSOLVER has).
 //
 // cuDNN is loaded at run time (dlopen of libcudnn.so.9): a machine without it still builds and
-// runs everything, and the bench says why its rows are missing. Tensors are cuDNN's matmul layout, [batch, rows, cols] with explicit strides; the
-// products accumulate in fp32 into a virtual (never stored) tensor, which the pointwise ops read.
+// runs everything, and the bench says why its rows are missing. Tensors are cuDNN's matmul layout,
+// [batch, rows, cols] with explicit strides; the products accumulate in fp32 into a virtual (never
+// stored) tensor, which the pointwise ops read.
 #pragma once
 #include <cudnn_graph.h>
 #include <dlfcn.h>

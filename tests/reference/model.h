@@ -190,7 +190,8 @@ namespace ref {
 // vector (no FMA: each product rounded before its add, as before, so the sums are bitwise the same):
 // about 1.45x over SSE2 rows one at a time on the development machine, where the CPU reference
 // (Newton-Schulz, the model's products) is most of the emulated training tests' time.
-__attribute__((target_clones("avx2", "default"))) inline void matmul_nn(const double* a, const double* b, double* out, int T, int K, int N) {
+__attribute__((target_clones("avx2", "default"))) inline void matmul_nn(const double* a, const double* b, double* out,
+                                                                       int T, int K, int N) {
   int t = 0;
   for (; t + 4 <= T; t += 4) {
     double* __restrict__ r0 = out + size_t(t) * N;
