@@ -92,6 +92,13 @@ void wgmma_wait(int pending_groups_left);
 // wgmma group must begin after a wgmma.fence (PTX wants one wherever registers it uses were touched
 // since the last; the kernels fence every group), and no wgmma may be issued while a thread's
 // landed cp.async copies wait for its fence.proxy.async (wgmma reads through the async proxy).
+// Shared memory that threads wrote (plain stores, landed cp.async copies) reaches the async proxy
+// (wgmma's operands, a TMA store's box) only through a fence.proxy.async after the writes: in the
+// first block of each launch (a kernel's blocks run the same code, and a copy of the block's
+// shared memory at each fence costs time), the bytes a wgmma or a TMA store reads must be what
+// they were at the block's last fence, TMA copies landing in between aside (they write through
+// the async proxy). Fatal otherwise: a write with no fence after it. What this cannot see: whose
+// fence it was (the GPU wants the writer's own; here any thread's counts).
 void wgmma_fence();
 void proxy_async_fence();
 
@@ -118,8 +125,8 @@ void tma_load(void* shared, const void* map, const int* coordinates, int rank, u
 // and the late writers ran before the wait: where they run after it, the rows they had not staged
 // come out wrong, as on the GPU). Elements outside the matrix are
 // not written. Fatal too: the map checks of tma_load, and a thread that exits with a store not waited
-// for (its shared memory goes with the block). Not checked: the fence.proxy.async that must order the
-// threads' generic writes of the box before the store.
+// for (its shared memory goes with the block), and a box with writes no fence.proxy.async
+// published (above, at wgmma_fence).
 void tma_store(const void* shared, const void* map, const int* coordinates, int rank);
 void bulk_commit();
 void bulk_wait(int pending_groups_left);
@@ -149,11 +156,20 @@ void set_max_registers(int registers, bool increase);
 constexpr uint32_t kDynamicSharedWindowBase = 0x610;
 uint32_t shared_window_address(const void* p);
 // The dynamic shared memory seen through the window: byte i is at address kDynamicSharedWindowBase + i.
+// `fenced`: what the async proxy may read, as of the block's last fence.proxy.async (null in blocks
+// not checked; see wgmma_fence above).
 struct SharedWindow {
   const unsigned char* data;
   uint32_t bytes;
+  const unsigned char* fenced;
 };
 SharedWindow dynamic_shared_window();
+// Fatal unless the `bytes` at `byte` of the dynamic shared memory are as fenced (SharedWindow).
+[[noreturn]] void unfenced_async_proxy_read(uint32_t byte, const char* reader);
+inline void check_async_proxy_read(const SharedWindow& window, uint32_t byte, uint32_t bytes, const char* reader) {
+  if (window.fenced && std::memcmp(window.data + byte, window.fenced + byte, bytes) != 0)
+    unfenced_async_proxy_read(byte, reader);
+}
 
 template <typename T>
 T* dynamic_shared() {

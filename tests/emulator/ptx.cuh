@@ -89,6 +89,7 @@ struct SharedMatrix {
     const uint32_t byte = address - ::emu::kDynamicSharedWindowBase;  // wraps below the window
     if (address < ::emu::kDynamicSharedWindowBase || byte + 2 > window.bytes)
       wgmma_fatal("a descriptor addresses memory outside the dynamic shared memory");
+    ::emu::check_async_proxy_read(window, byte, 2, "a wgmma operand");
     uint16_t bits;
     std::memcpy(&bits, window.data + byte, 2);
     return bf16_bits_to_float(bits);

@@ -15,6 +15,8 @@
 //   the exit) each stop the program (a deadlock where the GPU would hang), as does a wgmma that
 //   reads a TMA copy its thread never waited for, and
 //   the host refuses a map the driver refuses, naming the tensor;
+// - shared memory written with plain stores and read by a wgmma or a TMA store with no
+//   fence.proxy.async after the writes stops the program (checked in each launch's first block);
 // - TMA stores (an epilogue's, as our GEMM issues them): staged boxes land in place; a store issued
 //   before the barrier after the staging writes stores rows not yet staged, and a box reused before
 //   its store's read wait and a thread that exits without waiting for its stores each stop the
@@ -206,7 +208,7 @@ __global__ void __launch_bounds__(256, 1) tma_wgmma_kernel(const __grid_constant
 // columns] of value 1000 t + 64 r + c ... as bf16, in the 128-byte swizzle) in one shared box, and
 // its first thread stores it to columns 64 t.. of out [64, 64 tiles], the box reused tile after
 // tile. `mistake` injects one bug of the kind the pattern invites.
-enum class StoreMistake { none, no_read_wait, no_barrier, no_final_wait };
+enum class StoreMistake { none, no_read_wait, no_barrier, no_final_wait, no_fence };
 constexpr int kStoreRows = 64, kStoreCols = 64, kStoreTiles = 3;
 constexpr size_t kStoreSharedBytes = kStoreRows * kStoreCols * sizeof(bf16) + wgmma_tiles::kSwizzleAtomBytes;
 
@@ -221,7 +223,7 @@ __global__ void __launch_bounds__(128, 1) tma_store_kernel(const __grid_constant
       const int r = i / kStoreCols, c = i % kStoreCols;
       box[wgmma_tiles::swizzled<kStoreRows>(r, c)] = __float2bfloat16(float(1000 * t + 64 * r + c) / 1024);
     }
-    ptx::fence_proxy_async_shared();
+    if (mistake != StoreMistake::no_fence) ptx::fence_proxy_async_shared();
     if (mistake != StoreMistake::no_barrier) ptx::named_barrier_sync(1, 128);
     if (leader) {
       ptx::tma_store_2d(&map, t * kStoreCols, 0, box);
@@ -229,6 +231,27 @@ __global__ void __launch_bounds__(128, 1) tma_store_kernel(const __grid_constant
     }
   }
   if (leader && mistake != StoreMistake::no_final_wait) ptx::bulk_wait_group<0>();
+}
+
+// A tile the threads write with plain stores, read by a wgmma: a warpgroup stages the store
+// kernel's box (tile 0), fences its writes for the async proxy or not, meets at a barrier and
+// issues S = B B^T over its first 16 columns (m64n64k16).
+__global__ void __launch_bounds__(128, 1) staged_wgmma_kernel(float* out, bool fence) {
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* box = wgmma_tiles::align_to_swizzle_atom(shared_tiles);
+  for (int i = threadIdx.x; i < kStoreRows * kStoreCols; i += 128) {
+    const int r = i / kStoreCols, c = i % kStoreCols;
+    box[wgmma_tiles::swizzled<kStoreRows>(r, c)] = __float2bfloat16(float(64 * r + c) / 1024);
+  }
+  if (fence) ptx::fence_proxy_async_shared();
+  __syncthreads();
+  const uint64_t desc = wgmma_tiles::swizzled_128b_descriptor(box, 16, wgmma_tiles::kSwizzleAtomBytes);
+  float s[8][4];
+  ptx::wgmma_fence();
+  ptx::wgmma_m64n64k16_ss</*trans_b=*/0>(s, desc, desc, /*accumulate=*/false);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  out[threadIdx.x] = s[0][0];
 }
 
 struct Outcome {
@@ -465,6 +488,8 @@ TEST_CASE("TMA store: staged boxes land in place; a missing barrier, reuse befor
   const Case cases[] = {
       {StoreMistake::no_read_wait, "the box reused before the read wait", "reused before cp.async.bulk.wait_group.read"},
       {StoreMistake::no_final_wait, "no wait before the exit", "exited with TMA stores it never waited for"},
+      {StoreMistake::no_fence, "the staging writes never fenced for the async proxy",
+       "a TMA store's box of thread 0 reads dynamic shared byte"},
   };
   for (const Case& c : cases) {
     const Outcome o = in_child([&] { run(c.mistake, nullptr); });
@@ -472,6 +497,27 @@ TEST_CASE("TMA store: staged boxes land in place; a missing barrier, reuse befor
     CHECK(o.aborted);
     CHECK(o.errors.find(c.refusal) != std::string::npos);
   }
+}
+
+// On the GPU plain stores reach wgmma (the async proxy) only through fence.proxy.async; here a read
+// of bytes written since the block's last fence stops the program.
+TEST_CASE("a tile written with plain stores and read by a wgmma without fence.proxy.async stops the program") {
+  auto run = [](bool fence) {
+    return in_child([&] {
+      DeviceBuffer<float> out(128);
+      CUDA_CHECK(cudaFuncSetAttribute(staged_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(kStoreSharedBytes)));
+      staged_wgmma_kernel<<<1, 128, kStoreSharedBytes>>>(out.get(), fence);
+      CUDA_CHECK_LAUNCH();
+      if (!all_finite(to_double(out.download()))) std::abort();
+    });
+  };
+  const Outcome fenced = run(true), unfenced = run(false);
+  std::printf("  no fence: %s", unfenced.errors.c_str());
+  CHECK(!fenced.aborted && fenced.exit_code == 0 && fenced.errors.empty());
+  CHECK(unfenced.aborted);
+  CHECK(unfenced.errors.find("a wgmma operand of thread ") != std::string::npos);
+  CHECK(unfenced.errors.find("written since the block's last fence.proxy.async") != std::string::npos);
 }
 
 TEST_CASE("TMA map: a start off 16 bytes or rows a stride not a multiple of 16 bytes are refused, naming the tensor") {

@@ -198,6 +198,9 @@ struct Block {
   uint64_t progress = 0;  // counts arrivals at barriers and warp operations, and exits
   int unfenced_threads = 0;  // fibers whose copies_unfenced is set
   std::vector<unsigned char> shared;  // dynamic shared memory
+  // In the first block of a launch: `shared` as the block's last fence.proxy.async left it, with the
+  // TMA copies landed since (what the async proxy may read); empty in the other blocks.
+  std::vector<unsigned char> fenced;
   // Static shared memory: placed variable by variable as a launch first reaches each (the GPU
   // knows them all at the launch), poisoned up to static_bytes as each block starts.
   std::unique_ptr<StaticSharedMemory> static_shared = std::make_unique<StaticSharedMemory>();
@@ -344,6 +347,10 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   // Shared memory starts as garbage on the GPU: poisoned here, so a read before a write shows.
   std::memset(b.shared.data(), 0xFF, b.shared.size());
   std::memset(b.static_shared->bytes, 0xFF, b.static_bytes);
+  if (block_index.x == 0 && block_index.y == 0 && block_index.z == 0)
+    b.fenced = b.shared;
+  else
+    b.fenced.clear();
   while (b.live > 0) {
     const uint64_t progress = b.progress;
     for (int w = 0; w < warps; ++w) run_warp_to_barrier(b, w);
@@ -428,8 +435,10 @@ void async_copy_wait(int pending_groups_left) {
 
 void proxy_async_fence() {
   Fiber& f = *this_host().running;
-  if (f.copies_unfenced) --this_host().block.unfenced_threads;
+  Block& b = this_host().block;
+  if (f.copies_unfenced) --b.unfenced_threads;
   f.copies_unfenced = false;
+  if (!b.fenced.empty()) std::memcpy(b.fenced.data(), b.shared.data(), b.shared.size());
 }
 
 void wgmma_fence() { this_host().running->wgmma_fenced = true; }
@@ -468,8 +477,15 @@ uint32_t shared_window_address(const void* p) {
 }
 
 SharedWindow dynamic_shared_window() {
-  const std::vector<unsigned char>& shared = this_host().block.shared;
-  return {shared.data(), uint32_t(shared.size())};
+  const Block& b = this_host().block;
+  return {b.shared.data(), uint32_t(b.shared.size()), b.fenced.empty() ? nullptr : b.fenced.data()};
+}
+
+void unfenced_async_proxy_read(uint32_t byte, const char* reader) {
+  fatal(std::string(reader) + " of thread " + std::to_string(this_host().running->position.linear_index()) +
+        " reads dynamic shared byte " + std::to_string(byte) +
+        ", written since the block's last fence.proxy.async: the async proxy may not see the write "
+        "(fence.proxy.async.shared::cta after the writes, then the barrier)");
 }
 
 namespace {
@@ -527,6 +543,13 @@ void complete_phase_if_done(MBarrier& m, uint64_t* barrier) {
   m.announced = m.issued = 0;
 }
 
+// A TMA copy's write of shared memory (its poison at the issue, its box as it lands) goes through
+// the async proxy: what it may read next without a fence.
+void mirror_async_proxy_write(const unsigned char* shared, size_t bytes) {
+  Block& b = this_host().block;
+  if (!b.fenced.empty()) std::memcpy(b.fenced.data() + (shared - b.shared.data()), shared, bytes);
+}
+
 bool overlaps(const TmaCopy& c, const unsigned char* start, size_t bytes) {
   return c.shared < start + bytes && start < c.shared + c.image.size();
 }
@@ -574,7 +597,10 @@ bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) {
     me.waiting_for = nullptr;
     return false;
   }
-  for (const TmaCopy& c : m.unlanded) std::memcpy(c.shared, c.image.data(), c.image.size());
+  for (const TmaCopy& c : m.unlanded) {
+    std::memcpy(c.shared, c.image.data(), c.image.size());
+    mirror_async_proxy_write(c.shared, c.image.size());
+  }
   m.unlanded.clear();
   // The phase this wait names: the last completed one of that parity.
   const uint64_t seen = m.phases == 0 ? 0 : (m.phases - 1) % 2 == (parity & 1) ? m.phases : m.phases - 1;
@@ -672,6 +698,7 @@ void tma_load(void* shared, const void* map_address, const int* coordinates, int
       std::memset(copy.image.data() + at, 0, map.element_bytes);  // out of bounds: zeros
   });
   std::memset(destination, 0xFF, bytes);
+  mirror_async_proxy_write(destination, bytes);
   auto& regions = b.tma_regions;
   regions.erase(std::remove_if(regions.begin(), regions.end(),
                                [&](const TmaRegion& r) { return r.start < destination + bytes && destination < r.start + r.bytes; }),
@@ -685,6 +712,8 @@ void tma_load(void* shared, const void* map_address, const int* coordinates, int
 void tma_store(const void* shared, const void* map_address, const int* coordinates, int rank) {
   const auto [map, bytes] = checked_tma_box(map_address, rank, shared, "a TMA store");
   const auto* source = static_cast<const unsigned char*>(shared);
+  check_async_proxy_read(dynamic_shared_window(), uint32_t(source - this_host().block.shared.data()), bytes,
+                         "a TMA store's box");
   TmaStore store{map, source, std::vector<unsigned char>(source, source + bytes), {0, 0, 0}, rank};
   std::copy(coordinates, coordinates + rank, store.coordinates);
   this_host().running->stores_uncommitted.push_back(std::move(store));
