@@ -1553,7 +1553,7 @@ class Optimizers {
     ++adam_steps_;
     for (size_t i : launch_order_) {
       Collective& c = collectives_[i];
-      CUDA_CHECK(cudaStreamWaitEvent(stream, c.reduced, 0));
+      if (injected_fault() != Fault::no_wait_for_reductions) CUDA_CHECK(cudaStreamWaitEvent(stream, c.reduced, 0));
       // A Muon group updates once, its Newton-Schulz batched over all its matrices of this rank,
       // when its last reduction is in; every member's gather follows.
       if (c.group && group_members_[group_index(c)].back() != i) continue;
@@ -1571,7 +1571,7 @@ class Optimizers {
       }
     }
     CUDA_CHECK(cudaEventRecord(gathered_, comm_stream_));
-    CUDA_CHECK(cudaStreamWaitEvent(stream, gathered_, 0));
+    if (injected_fault() != Fault::no_wait_for_gathers) CUDA_CHECK(cudaStreamWaitEvent(stream, gathered_, 0));
     refresh_weight_copies(params_, stream);
   }
 

@@ -38,6 +38,8 @@ inline const char* fault_name(Fault f) {
     case Fault::local_matrix_gradient: return "local_matrix_gradient";
     case Fault::rekls_rotation_untransposed: return "rekls_rotation_untransposed";
     case Fault::rekls_stale_eigenvalues: return "rekls_stale_eigenvalues";
+    case Fault::no_wait_for_reductions: return "no_wait_for_reductions";
+    case Fault::no_wait_for_gathers: return "no_wait_for_gathers";
   }
   return "?";
 }

@@ -31,6 +31,8 @@ enum class Fault {
   local_matrix_gradient,       // a hidden matrix's owner updates it (REKLS factors, moments) from its own partial sum
   rekls_rotation_untransposed, // REKLS rotates the update back by Q_L U Q_R instead of Q_L U Q_R^T
   rekls_stale_eigenvalues,     // REKLS keeps the last refresh's eigenvalues between refreshes
+  no_wait_for_reductions,      // the updates do not wait for the communication stream's reductions
+  no_wait_for_gathers,         // the next forward does not wait for the communication stream's gathers
 };
 
 inline Fault& injected_fault() {

@@ -301,29 +301,14 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
   return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const void* alpha, const void* A,
-                              cublasLtMatrixLayout_t a_desc, const void* B, cublasLtMatrixLayout_t b_desc,
-                              const void* beta, const void* C, cublasLtMatrixLayout_t c_desc, void* D,
-                              cublasLtMatrixLayout_t d_desc, const cublasLtMatmulAlgo_t* algo, void*, size_t,
-                              cudaStream_t) {
-  const Desc& d = state<cublasLtMatmulDesc_t, Desc>(desc);
-  const Layout &a = state<cublasLtMatrixLayout_t, Layout>(a_desc), &b = state<cublasLtMatrixLayout_t, Layout>(b_desc),
-               &c = state<cublasLtMatrixLayout_t, Layout>(c_desc), &dl = state<cublasLtMatrixLayout_t, Layout>(d_desc);
-  if (!algo) return CUBLAS_STATUS_INVALID_VALUE;
-  if (cublasStatus_t s = check(d, a, b, c, dl); s != CUBLAS_STATUS_SUCCESS) return s;
-  const Alignments& promised = state<const cublasLtMatmulAlgo_t*, const Alignments>(algo);
-  if (!aligned(A, a, promised.bytes[0]) || !aligned(B, b, promised.bytes[1]) || !aligned(C, c, promised.bytes[2]) ||
-      !aligned(D, dl, promised.bytes[3]))
-    return CUBLAS_STATUS_INVALID_VALUE;
-  // As cuBLASLt 13.1 on an H200: an FP8 scale pointer off a 16-byte boundary is "not supported" at
-  // the product, though the heuristic offered an algorithm.
-  if (reinterpret_cast<uintptr_t>(d.a_scale) % 16 || reinterpret_cast<uintptr_t>(d.b_scale) % 16)
-    return CUBLAS_STATUS_NOT_SUPPORTED;
+namespace {
+
+// D = alpha op(A) op(B) (+ beta C) as the library computes it, for descriptors already checked.
+void multiply(const Desc& d, const Layout& a, const Layout& b, const Layout& c, const Layout& dl, const void* A,
+              const void* B, const void* C, void* D, float alpha, float beta) {
   const bool ta = d.trans_a == CUBLAS_OP_T, tb = d.trans_b == CUBLAS_OP_T, fp8 = is_fp8(a.type);
   const size_t m = dl.rows, n = dl.cols, k = ta ? a.rows : a.cols;
-  const float scale = *static_cast<const float*>(alpha) * (d.a_scale ? *d.a_scale : 1.0f) *
-                      (d.b_scale ? *d.b_scale : 1.0f),
-              beta_value = *static_cast<const float*>(beta);
+  const float scale = alpha * (d.a_scale ? *d.a_scale : 1.0f) * (d.b_scale ? *d.b_scale : 1.0f);
   for (int batch = 0; batch < dl.batch; ++batch) {
     // op(A)(i, kk) is A[i + kk lda] (N) or A[kk + i lda] (T); op(B)(kk, j) is B[kk + j ldb] (N) or B[j + kk ldb] (T).
     const std::vector<float> op_a = gather(A, a, ta, m, k, batch), op_b = gather(B, b, !tb, n, k, batch);
@@ -337,7 +322,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
           const float* row = &op_a[i * k];
           const float* column = &op_b[j * k];
           float value = scale * (fp8 ? fp8_tensor_core_dot(row, column, k, d.fast_accum) : dot(row, column, k));
-          if (beta_value != 0) value += beta_value * element(C, c.type, c_offset + i + j * c.ld);
+          if (beta != 0) value += beta * element(C, c.type, c_offset + i + j * c.ld);
           const size_t at = d_offset + i + j * dl.ld;
           if (dl.type == CUDA_R_32F)
             static_cast<float*>(D)[at] = value;
@@ -346,5 +331,31 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
         }
     }
   }
+}
+
+}  // namespace
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const void* alpha, const void* A,
+                              cublasLtMatrixLayout_t a_desc, const void* B, cublasLtMatrixLayout_t b_desc,
+                              const void* beta, const void* C, cublasLtMatrixLayout_t c_desc, void* D,
+                              cublasLtMatrixLayout_t d_desc, const cublasLtMatmulAlgo_t* algo, void*, size_t,
+                              cudaStream_t stream) {
+  // copies: the product may run after the descriptors change (lazy streams)
+  const Desc d = state<cublasLtMatmulDesc_t, Desc>(desc);
+  const Layout a = state<cublasLtMatrixLayout_t, Layout>(a_desc), b = state<cublasLtMatrixLayout_t, Layout>(b_desc),
+               c = state<cublasLtMatrixLayout_t, Layout>(c_desc), dl = state<cublasLtMatrixLayout_t, Layout>(d_desc);
+  if (!algo) return CUBLAS_STATUS_INVALID_VALUE;
+  if (cublasStatus_t s = check(d, a, b, c, dl); s != CUBLAS_STATUS_SUCCESS) return s;
+  const Alignments& promised = state<const cublasLtMatmulAlgo_t*, const Alignments>(algo);
+  if (!aligned(A, a, promised.bytes[0]) || !aligned(B, b, promised.bytes[1]) || !aligned(C, c, promised.bytes[2]) ||
+      !aligned(D, dl, promised.bytes[3]))
+    return CUBLAS_STATUS_INVALID_VALUE;
+  // As cuBLASLt 13.1 on an H200: an FP8 scale pointer off a 16-byte boundary is "not supported" at
+  // the product, though the heuristic offered an algorithm.
+  if (reinterpret_cast<uintptr_t>(d.a_scale) % 16 || reinterpret_cast<uintptr_t>(d.b_scale) % 16)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  // alpha and beta in host memory, read at the call; the scales in device memory, as the product runs
+  const float alpha_value = *static_cast<const float*>(alpha), beta_value = *static_cast<const float*>(beta);
+  emu::enqueue(stream, [=] { multiply(d, a, b, c, dl, A, B, C, D, alpha_value, beta_value); });
   return CUBLAS_STATUS_SUCCESS;
 }

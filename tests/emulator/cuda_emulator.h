@@ -8,9 +8,10 @@
 // Each CUDA thread of a block is a fiber (its own stack, switched cooperatively on one host
 // thread), so __syncthreads and the warp-synchronous operations (shuffles, wgmma's fragments) meet
 // exactly as on the GPU, and a barrier some threads never reach is reported as a deadlock. Blocks
-// run one after another; every launch and copy completes before its call returns (streams and
-// events only order what is already ordered). What this cannot show: races between streams,
-// timing, and the GPU's own rounding of fast intrinsics (__expf is expf here).
+// run one after another. By default every launch and copy completes before its call returns
+// (streams and events only order what is already ordered); lazy streams (enqueue below) run work
+// as late as its stream's waits allow instead. What this cannot show: races between streams other
+// than those two orders, timing, and the GPU's own rounding of fast intrinsics (__expf is expf here).
 #pragma once
 // translate.py rewrites every __shared__ declaration; one it missed would otherwise compile as a
 // per-thread local (CUDA's headers define __shared__ as nothing for a host compiler).
@@ -208,14 +209,29 @@ To aligned_cast(const char* type, From* p) {
 
 struct LaunchConfig {
   LaunchConfig(dim3 grid, dim3 block, size_t shared_bytes = 0, cudaStream_t stream = nullptr)
-      : grid(grid), block(block), shared_bytes(shared_bytes) {
-    (void)stream;
-  }
+      : grid(grid), block(block), shared_bytes(shared_bytes), stream(stream) {}
   dim3 grid, block;
   size_t shared_bytes;
+  cudaStream_t stream;
 };
 
-// Runs body once per thread of every block; records a launch error as cudaGetLastError reports it.
+// Streams. By default the work of every call (a launch, a copy, a library call) runs as the call
+// is made. Lazy streams (SPEEDRUN_EMULATOR_STREAMS=lazy in the environment, or set_lazy_streams)
+// queue each stream's work in order and run it only when something waits for it: another
+// stream's wait for an event recorded on it (cudaStreamWaitEvent runs it up to the record), a
+// synchronisation (of the stream, an event, the device), a synchronous copy or set (on the legacy
+// default stream, which waits for the blocking streams' earlier work and they for its), cudaFree.
+// Work nobody waits for thus runs as late as CUDA allows, so a stream that reads another's results
+// without waiting for them reads what was there before (poison, the last step's), and one that
+// overwrites what another still has to read, before that read, corrupts it; the default order
+// runs every stream's work as early as possible.
+bool lazy_streams();
+void set_lazy_streams(bool lazy);  // after running every queued item
+void enqueue(cudaStream_t stream, std::function<void()> work);
+
+// Records a launch error as cudaGetLastError reports it, for a configuration the GPU refuses.
+bool launchable(const void* kernel, const LaunchConfig& config);
+// Runs body once per thread of every block.
 void run_grid(const void* kernel, const LaunchConfig& config, const std::function<void()>& body);
 
 // `call` invokes the kernel with its arguments (a generic lambda: a kernel template is deduced as
@@ -223,7 +239,10 @@ void run_grid(const void* kernel, const LaunchConfig& config, const std::functio
 template <typename Call, typename... Args>
 void launch(const LaunchConfig& config, const void* kernel, Call call, Args&&... args) {
   std::tuple<std::decay_t<Args>...> copied(std::forward<Args>(args)...);  // once, as a launch copies them
-  run_grid(kernel, config, [&] { std::apply(call, copied); });
+  if (!launchable(kernel, config)) return;
+  enqueue(config.stream, [config, kernel, call, copied]() mutable {
+    run_grid(kernel, config, [&] { std::apply(call, copied); });
+  });
 }
 
 template <typename T>

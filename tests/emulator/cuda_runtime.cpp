@@ -1,7 +1,8 @@
-// The CUDA runtime API calls the trainer and the tests make, on host memory: every call completes
-// before it returns, so streams and events need no queue. Device allocations are poisoned (0xFF:
-// NaN in fp32 and bf16), as fresh GPU memory holds whatever was there before; the device reports
-// itself as an H100 (sm_90, 132 SMs).
+// The CUDA runtime API calls the trainer and the tests make, on host memory: by default every call
+// completes before it returns; with lazy streams (cuda_emulator.h) each stream queues its work and
+// runs it only when something waits for it. Device allocations are poisoned (0xFF: NaN in fp32
+// and bf16), as fresh GPU memory holds whatever was there before; the device reports itself as an
+// H100 (sm_90, 132 SMs).
 #include "emulator/cuda_emulator.h"
 #include "emulator/runtime.h"
 
@@ -13,8 +14,11 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <vector>
 
 namespace emu {
 namespace {
@@ -24,27 +28,117 @@ constexpr size_t kDeviceBytes = size_t(80) << 30;
 
 std::mutex registry_mutex;
 std::map<const void*, size_t> allocations;        // device pointer -> bytes
+std::map<const void*, size_t> pinned;             // page-locked host pointer -> bytes
 std::map<const void*, size_t> shared_limits;      // kernel -> dynamic shared memory bytes allowed
 thread_local cudaError_t last_error = cudaSuccess;
-
-struct Event {
-  std::chrono::steady_clock::time_point recorded;
-};
 
 cudaError_t allocate(void** p, size_t bytes, bool device) {
   *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
   if (!*p) return cudaErrorMemoryAllocation;
-  if (device) {
-    std::memset(*p, 0xFF, bytes);
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    allocations[*p] = bytes;
-  }
+  if (device) std::memset(*p, 0xFF, bytes);
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  (device ? allocations : pinned)[*p] = bytes;
   return cudaSuccess;
+}
+
+// Whether p lies in one of `registry`'s allocations.
+bool within(const std::map<const void*, size_t>& registry, const void* p) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto next = registry.upper_bound(p);
+  if (next == registry.begin()) return false;
+  --next;
+  return static_cast<const char*>(p) < static_cast<const char*>(next->first) + next->second;
+}
+
+// ---- streams ----
+// A stream's queue (lazy streams only; otherwise work runs as it is enqueued). Streams are never
+// freed: an event may still name one that was destroyed.
+struct Stream {
+  bool blocking;  // created without cudaStreamNonBlocking: ordered with the legacy default stream
+  std::deque<std::function<void()>> queue;  // enqueued, not yet run
+  uint64_t enqueued = 0, done = 0;
+  bool running = false, destroyed = false;
+};
+
+struct Event {
+  std::shared_ptr<std::chrono::steady_clock::time_point> recorded =
+      std::make_shared<std::chrono::steady_clock::time_point>();
+  Stream* stream = nullptr;  // its last record: complete once `stream` has run `through` items
+  uint64_t through = 0;
+};
+
+bool lazy = [] {
+  const char* mode = std::getenv("SPEEDRUN_EMULATOR_STREAMS");
+  return mode && std::strcmp(mode, "lazy") == 0;
+}();
+std::recursive_mutex stream_mutex;  // the queues, and the work they run (one host thread at a time)
+std::vector<std::unique_ptr<Stream>> streams = [] {
+  std::vector<std::unique_ptr<Stream>> all;
+  all.push_back(std::make_unique<Stream>(Stream{/*blocking=*/true}));  // the legacy default stream
+  return all;
+}();
+
+Stream& stream_of(cudaStream_t handle) {
+  if (handle == nullptr || handle == cudaStreamLegacy) return *streams.front();
+  if (handle == cudaStreamPerThread) fatal("cudaStreamPerThread is not emulated");
+  return *reinterpret_cast<Stream*>(handle);
+}
+
+// Runs s's queue until it has run `through` items. A wait names work enqueued before it, so no
+// item can wait for its own stream's later work: fatal here if one does (an emulator bug).
+void run_until(Stream& s, uint64_t through) {
+  while (s.done < through) {
+    if (s.running) fatal("a stream's queued work waits for its own later work");
+    std::function<void()> work = std::move(s.queue.front());
+    s.queue.pop_front();
+    s.running = true;
+    work();
+    s.running = false;
+    ++s.done;
+  }
+}
+
+void synchronize(Stream& s) {
+  if (!lazy) return;
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
+  run_until(s, s.enqueued);
+}
+
+void synchronize_device() {
+  if (!lazy) return;
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
+  for (size_t i = 0; i < streams.size(); ++i) run_until(*streams[i], streams[i]->enqueued);
 }
 
 }  // namespace
 
 void record_launch_error(cudaError_t error) { last_error = error; }
+
+bool lazy_streams() { return lazy; }
+
+void set_lazy_streams(bool on) {
+  synchronize_device();
+  lazy = on;
+}
+
+void enqueue(cudaStream_t handle, std::function<void()> work) {
+  if (!lazy) return work();
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
+  Stream& s = stream_of(handle);
+  // The legacy default stream's work waits for the blocking streams' earlier work, and theirs for its.
+  std::vector<std::pair<Stream*, uint64_t>> after;
+  if (&s == streams.front().get()) {
+    for (size_t i = 1; i < streams.size(); ++i)
+      if (streams[i]->blocking && !streams[i]->destroyed) after.push_back({streams[i].get(), streams[i]->enqueued});
+  } else if (s.blocking) {
+    after.push_back({streams.front().get(), streams.front()->enqueued});
+  }
+  s.queue.push_back([after, work = std::move(work)] {
+    for (const auto& [stream, through] : after) run_until(*stream, through);
+    work();
+  });
+  ++s.enqueued;
+}
 
 size_t max_dynamic_shared_bytes(const void* kernel) {
   std::lock_guard<std::mutex> lock(registry_mutex);
@@ -67,11 +161,17 @@ cudaError_t cudaMalloc(void** p, size_t bytes) { return allocate(p, bytes, true)
 cudaError_t cudaMallocHost(void** p, size_t bytes) { return allocate(p, bytes, false); }
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return allocate(p, bytes, false); }
 cudaError_t cudaFreeHost(void* p) {
+  synchronize_device();  // as CUDA's does
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (pinned.erase(p) == 0) return cudaErrorInvalidValue;
+  }
   std::free(p);
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
   if (!p) return cudaSuccess;
+  synchronize_device();  // as CUDA's does
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
     if (allocations.erase(p) == 0) return cudaErrorInvalidValue;
@@ -90,53 +190,107 @@ cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
   return cudaSuccess;
 }
 
+// The synchronous calls go on the legacy default stream and return once done.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
-  if (bytes) std::memmove(dst, src, bytes);
+  if (bytes) enqueue(nullptr, [=] { std::memmove(dst, src, bytes); });
+  synchronize(stream_of(nullptr));
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
+// Lazy: a pageable source is read at the call (CUDA stages it), a page-locked one when the copy
+// runs; a page-locked destination holds poison until then, and the call returns only once a copy
+// into pageable memory is done (as CUDA's).
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t stream) {
+  if (!bytes) return cudaSuccess;
+  const bool from_pageable = !within(allocations, src) && !within(pinned, src),
+             to_pageable = !within(allocations, dst) && !within(pinned, dst);
+  if (lazy && from_pageable) {
+    auto image = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src),
+                                                              static_cast<const unsigned char*>(src) + bytes);
+    enqueue(stream, [=] { std::memcpy(dst, image->data(), bytes); });
+  } else {
+    if (lazy && within(pinned, dst)) std::memset(dst, 0xFF, bytes);
+    enqueue(stream, [=] { std::memmove(dst, src, bytes); });
+  }
+  if (to_pageable) synchronize(stream_of(stream));
+  return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
-  std::memset(p, value, bytes);
+  enqueue(nullptr, [=] { std::memset(p, value, bytes); });
+  synchronize(stream_of(nullptr));
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) { return cudaMemset(p, value, bytes); }
-
-// Streams are distinct handles that order nothing: every call has finished when it returns.
-// Events keep the host time of their last record, for cudaEventElapsedTime.
-template <typename Handle, typename Object>
-cudaError_t create(Handle* handle, Object initial) {
-  *handle = reinterpret_cast<Handle>(new Object(initial));
-  return cudaSuccess;
-}
-template <typename Object, typename Handle>
-cudaError_t destroy(Handle handle) {
-  delete reinterpret_cast<Object*>(handle);
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream) {
+  enqueue(stream, [=] { std::memset(p, value, bytes); });
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) { return create(s, char{}); }
-cudaError_t cudaStreamCreate(cudaStream_t* s) { return create(s, char{}); }
-cudaError_t cudaStreamDestroy(cudaStream_t s) { return destroy<char>(s); }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
+  streams.push_back(std::make_unique<Stream>(Stream{/*blocking=*/(flags & cudaStreamNonBlocking) == 0}));
+  *s = reinterpret_cast<cudaStream_t>(streams.back().get());
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  synchronize(stream_of(s));  // its work still runs on the GPU
+  stream_of(s).destroyed = true;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  synchronize(stream_of(s));
+  return cudaSuccess;
+}
+// The wait is for the event's record as it stands now, as CUDA's (none yet: nothing to wait for).
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  const Event& event = *reinterpret_cast<Event*>(e);
+  Stream* recording = event.stream;
+  const uint64_t through = event.through;
+  enqueue(s, [recording, through] {
+    if (recording) run_until(*recording, through);
+  });
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() {
+  synchronize_device();
+  return cudaSuccess;
+}
 // No profiler attaches to the emulator: the range's edges are accepted and mark nothing.
 cudaError_t cudaProfilerStart() { return cudaSuccess; }
 cudaError_t cudaProfilerStop() { return cudaSuccess; }
 
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return create(e, Event{}); }
-cudaError_t cudaEventCreate(cudaEvent_t* e) { return create(e, Event{}); }
-cudaError_t cudaEventDestroy(cudaEvent_t e) { return destroy<Event>(e); }
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
-  reinterpret_cast<Event*>(e)->recorded = std::chrono::steady_clock::now();
+// Events keep the host time at which their last record ran, for cudaEventElapsedTime.
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = reinterpret_cast<cudaEvent_t>(new Event);
   return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete reinterpret_cast<Event*>(e);  // a pending record keeps its time's storage
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  Event& event = *reinterpret_cast<Event*>(e);
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
+  if (lazy) {
+    event.stream = &stream_of(s);
+    event.through = event.stream->enqueued + 1;
+  }
+  enqueue(s, [recorded = event.recorded] { *recorded = std::chrono::steady_clock::now(); });
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  const Event& event = *reinterpret_cast<Event*>(e);
+  if (lazy && event.stream) {
+    std::lock_guard<std::recursive_mutex> lock(stream_mutex);
+    run_until(*event.stream, event.through);
+  }
+  return cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
-  *ms = std::chrono::duration<float, std::milli>(reinterpret_cast<Event*>(end)->recorded -
-                                                 reinterpret_cast<Event*>(start)->recorded)
+  cudaEventSynchronize(start);
+  cudaEventSynchronize(end);
+  *ms = std::chrono::duration<float, std::milli>(*reinterpret_cast<Event*>(end)->recorded -
+                                                 *reinterpret_cast<Event*>(start)->recorded)
             .count();
   return cudaSuccess;
 }

@@ -119,6 +119,6 @@ cusolverStatus_t cusolverDnXsyevd(cusolverDnHandle_t handle, cusolverDnParams_t,
   workspace_bytes(n, a_type, &need_device, &need_host);
   if (device_bytes < need_device || host_bytes < need_host || !device_work || (!host_work && host_bytes) || !info)
     return CUSOLVER_STATUS_INVALID_VALUE;
-  *info = decompose(jobz, uplo, n, a_type, A, lda, W);
+  emu::enqueue(handle->stream, [=] { *info = decompose(jobz, uplo, n, a_type, A, lda, W); });
   return CUSOLVER_STATUS_SUCCESS;
 }

@@ -22,13 +22,15 @@ size_t type_bytes(ncclDataType_t t) {
 struct Transfer {
   void* buffer;
   size_t bytes;
+  cudaStream_t stream;
 };
 thread_local int group_depth = 0;
 thread_local std::vector<Transfer> sends, receives;  // of the open group, in call order
 
-ncclResult_t copy(const void* from, void* to, size_t count, ncclDataType_t type, ncclComm_t comm) {
+ncclResult_t copy(const void* from, void* to, size_t count, ncclDataType_t type, ncclComm_t comm, cudaStream_t stream) {
   if (!comm) return ncclInvalidArgument;
-  if (from != to) std::memmove(to, from, count * type_bytes(type));
+  const size_t bytes = count * type_bytes(type);
+  if (from != to) emu::enqueue(stream, [=] { std::memmove(to, from, bytes); });
   return ncclSuccess;
 }
 
@@ -78,16 +80,16 @@ ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
 }
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t, ncclComm_t comm,
-                           cudaStream_t) {
-  return copy(send, recv, count, type, comm);
+                           cudaStream_t stream) {
+  return copy(send, recv, count, type, comm, stream);
 }
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t,
-                               ncclComm_t comm, cudaStream_t) {
-  return copy(send, recv, count, type, comm);
+                               ncclComm_t comm, cudaStream_t stream) {
+  return copy(send, recv, count, type, comm, stream);
 }
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t type, ncclComm_t comm,
-                           cudaStream_t) {
-  return copy(send, recv, count, type, comm);
+                           cudaStream_t stream) {
+  return copy(send, recv, count, type, comm, stream);
 }
 
 ncclResult_t ncclGroupStart() {
@@ -100,21 +102,26 @@ ncclResult_t ncclGroupEnd() {
   ncclResult_t result = sends.size() == receives.size() ? ncclSuccess : ncclInvalidUsage;
   for (size_t i = 0; result == ncclSuccess && i < sends.size(); ++i) {
     if (sends[i].bytes != receives[i].bytes) result = ncclInvalidUsage;
-    else std::memmove(receives[i].buffer, sends[i].buffer, sends[i].bytes);
+    else
+      emu::enqueue(receives[i].stream, [from = sends[i].buffer, to = receives[i].buffer, bytes = sends[i].bytes] {
+        std::memmove(to, from, bytes);
+      });
   }
   sends.clear();
   receives.clear();
   return result;
 }
-ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t) {
+ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
   if (!comm || peer != 0) return ncclInvalidArgument;
   if (group_depth == 0) return ncclInvalidUsage;  // a lone send to oneself would never complete
-  sends.push_back({const_cast<void*>(send), count * type_bytes(type)});
+  sends.push_back({const_cast<void*>(send), count * type_bytes(type), stream});
   return ncclSuccess;
 }
-ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t) {
+ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
   if (!comm || peer != 0) return ncclInvalidArgument;
   if (group_depth == 0) return ncclInvalidUsage;
-  receives.push_back({recv, count * type_bytes(type)});
+  receives.push_back({recv, count * type_bytes(type), stream});
   return ncclSuccess;
 }

@@ -3,8 +3,11 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <string>
 
 namespace emu {
+
+[[noreturn]] void fatal(const std::string& what);  // "CUDA emulator: what" on stderr, then abort
 
 void record_launch_error(cudaError_t error);
 size_t max_dynamic_shared_bytes(const void* kernel);  // 48 KiB unless cudaFuncSetAttribute raised it

@@ -21,6 +21,9 @@
 //   before the barrier after the staging writes stores rows not yet staged, and a box reused before
 //   its store's read wait and a thread that exits without waiting for its stores each stop the
 //   program;
+// - lazy streams (work run only when something waits for it): a stream that reads another's result
+//   without waiting for its event, and a page-locked staging buffer rewritten before its copy ran,
+//   show (the old value, the new one), and with the waits not;
 // - cuSOLVER's syevd reports a factor it cannot decompose by a positive info (LAPACK's convention;
 //   what the library answers for a NaN factor is unverified), and REKLS then stops naming the
 //   factor (docs/ERRORS.md).
@@ -253,6 +256,9 @@ __global__ void __launch_bounds__(128, 1) staged_wgmma_kernel(float* out, bool f
   ptx::wgmma_wait<0>();
   out[threadIdx.x] = s[0][0];
 }
+
+// out[0] = in[0], one thread (a stream's read of what another stream wrote).
+__global__ void copy_one_kernel(const float* in, float* out) { out[0] = in[0]; }
 
 struct Outcome {
   bool aborted;         // by a signal: SIGABRT
@@ -518,6 +524,51 @@ TEST_CASE("a tile written with plain stores and read by a wgmma without fence.pr
   CHECK(unfenced.aborted);
   CHECK(unfenced.errors.find("a wgmma operand of thread ") != std::string::npos);
   CHECK(unfenced.errors.find("written since the block's last fence.proxy.async") != std::string::npos);
+}
+
+// Lazy streams run work only when something waits for it (cuda_emulator.h): a stream that reads
+// another's result without waiting for its event reads what was there before, and a page-locked
+// source rewritten before its copy ran is copied as rewritten; with the waits, as on the GPU.
+TEST_CASE("lazy streams: a read without the wait for the writer's event, and a staging buffer reused early, show") {
+  emu::set_lazy_streams(true);
+  cudaStream_t writer, reader;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&writer, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&reader, cudaStreamNonBlocking));
+  cudaEvent_t written;
+  CUDA_CHECK(cudaEventCreateWithFlags(&written, cudaEventDisableTiming));
+  DeviceBuffer<float> x(1), y(1);
+  auto read_after_write = [&](bool wait) {
+    x.upload({1.0f});
+    const std::vector<float> two = {2.0f};
+    CUDA_CHECK(cudaMemcpyAsync(x.get(), two.data(), sizeof(float), cudaMemcpyHostToDevice, writer));
+    CUDA_CHECK(cudaEventRecord(written, writer));
+    if (wait) CUDA_CHECK(cudaStreamWaitEvent(reader, written, 0));
+    copy_one_kernel<<<1, 1, 0, reader>>>(x.get(), y.get());
+    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(cudaStreamSynchronize(reader));
+    const float read = y.download()[0];
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return read;
+  };
+  CHECK(read_after_write(true) == 2.0f);
+  CHECK(read_after_write(false) == 1.0f);  // the writer's copy had not run
+  float* staging = nullptr;
+  CUDA_CHECK(cudaMallocHost(&staging, sizeof(float)));
+  auto upload_then_reuse = [&](bool wait) {
+    *staging = 3.0f;
+    CUDA_CHECK(cudaMemcpyAsync(x.get(), staging, sizeof(float), cudaMemcpyHostToDevice, writer));
+    if (wait) CUDA_CHECK(cudaStreamSynchronize(writer));
+    *staging = 4.0f;  // the next upload's value
+    CUDA_CHECK(cudaStreamSynchronize(writer));
+    return x.download()[0];
+  };
+  CHECK(upload_then_reuse(true) == 3.0f);
+  CHECK(upload_then_reuse(false) == 4.0f);  // copied as rewritten
+  CUDA_CHECK(cudaFreeHost(staging));
+  CUDA_CHECK(cudaEventDestroy(written));
+  CUDA_CHECK(cudaStreamDestroy(writer));
+  CUDA_CHECK(cudaStreamDestroy(reader));
+  emu::set_lazy_streams(false);
 }
 
 TEST_CASE("TMA map: a start off 16 bytes or rows a stride not a multiple of 16 bytes are refused, naming the tensor") {

@@ -55,6 +55,12 @@ emu_fiber_start:
 #endif
 
 namespace emu {
+
+void fatal(const std::string& what) {
+  std::fprintf(stderr, "CUDA emulator: %s\n", what.c_str());
+  std::abort();
+}
+
 namespace {
 
 constexpr size_t kStackBytes = size_t(256) << 10;
@@ -62,11 +68,6 @@ constexpr size_t kGuardBytes = 4096;
 constexpr int kMaxThreadsPerBlock = 1024;
 constexpr size_t kSlotBytes = 32;
 constexpr size_t kMaxStaticSharedBytes = size_t(48) << 10;  // ptxas's limit
-
-[[noreturn]] void fatal(const std::string& what) {
-  std::fprintf(stderr, "CUDA emulator: %s\n", what.c_str());
-  std::abort();
-}
 
 // A stack with a guard page below it: an overflow faults instead of corrupting a neighbour.
 struct Stack {
@@ -846,18 +847,22 @@ void warp_collective(const char* what, const void* in, size_t in_bytes, void* ou
     std::memcpy(out, w.inputs[parity], 32 * in_bytes);
 }
 
-void run_grid(const void* kernel, const LaunchConfig& c, const std::function<void()>& body) {
+bool launchable(const void* kernel, const LaunchConfig& c) {
   const size_t threads = size_t(c.block.x) * c.block.y * c.block.z;
   if (threads == 0 || threads > kMaxThreadsPerBlock || c.block.z > 64 || c.grid.x == 0 || c.grid.y == 0 ||
       c.grid.z == 0 || c.grid.y > 65535 || c.grid.z > 65535) {
     record_launch_error(cudaErrorInvalidConfiguration);
-    return;
+    return false;
   }
   if (c.shared_bytes > max_dynamic_shared_bytes(kernel)) {
     record_launch_error(cudaErrorInvalidValue);
-    return;
+    return false;
   }
   if (this_host().running) fatal("a kernel launched from inside a kernel");
+  return true;
+}
+
+void run_grid(const void* kernel, const LaunchConfig& c, const std::function<void()>& body) {
   Block& b = this_host().block;
   b.body = &body;
   b.shared.resize(c.shared_bytes);  // poisoned as each block starts

@@ -212,6 +212,33 @@ TEST_CASE("every injected distributed bug makes the GPU oracle fail, by 10x the 
   }
 }
 
+#ifdef SPEEDRUN_EMULATED
+// The emulator's lazy streams (tests/emulator/cuda_emulator.h) run each stream's work only when
+// something waits for it: the communication stream's reductions and gathers then run as late as
+// the trainer's waits allow, where the default emulation runs them as early as possible, and a
+// missing wait shows as stale gradients or weights (on a GPU it shows only when the timing says so).
+TEST_CASE("lazy streams: W = 3 reproduces W = 1 with the communication as late as its waits allow; a skipped wait fails") {
+  emu::set_lazy_streams(true);
+  std::string where;
+  const double rounding = worst_error(single_rank_result(), train_ranks(kBugWorld, "fp32-rs", token_stream()), where);
+  std::printf("  %-26s W = %d: worst relative error %.3e (%s)\n", "none (rounding)", kBugWorld, rounding, where.c_str());
+  CHECK(rounding <= kBound);
+  for (Fault fault : {Fault::no_wait_for_reductions, Fault::no_wait_for_gathers}) {
+    std::vector<Snapshot> ranks;
+    {
+      ScopedFault injected(fault);
+      ranks = train_ranks(kBugWorld, "fp32-rs", token_stream());
+    }
+    const double error = worst_error(single_rank_result(), ranks, where);
+    std::printf("  %-26s W = %d: worst relative error %.3e (%s): %.0fx the rounding, %.1fx the bound\n",
+                fault_name(fault), kBugWorld, error, where.c_str(), error / rounding, error / kBound);
+    CHECK(error > kBound);
+    CHECK(error >= kRoundingMargin * rounding);
+  }
+  emu::set_lazy_streams(false);
+}
+#endif
+
 // REKLS in its first steps turns the rounding of another fp32 summation order into O(1)
 // differences (docs/REKLS.md: the fc factors' null space, whose rounding-sized eigenvalues its KL
 // update weighs by 1 / max(lam, eps), and Adam's V, which is not rotated with the basis): W = 2
