@@ -213,6 +213,7 @@ struct LaunchConfig {
   dim3 grid, block;
   size_t shared_bytes;
   cudaStream_t stream;
+  size_t static_budget = 0;  // the static shared memory the launch allows (set by launchable)
 };
 
 // Streams. By default the work of every call (a launch, a copy, a library call) runs as the call
@@ -228,9 +229,21 @@ struct LaunchConfig {
 bool lazy_streams();
 void set_lazy_streams(bool lazy);  // after running every queued item
 void enqueue(cudaStream_t stream, std::function<void()> work);
+// Lazy streams for the guard's lifetime, then the mode before.
+class LazyStreamsScope {
+ public:
+  LazyStreamsScope() : before_(lazy_streams()) { set_lazy_streams(true); }
+  ~LazyStreamsScope() { set_lazy_streams(before_); }
+  LazyStreamsScope(const LazyStreamsScope&) = delete;
+  LazyStreamsScope& operator=(const LazyStreamsScope&) = delete;
 
-// Records a launch error as cudaGetLastError reports it, for a configuration the GPU refuses.
-bool launchable(const void* kernel, const LaunchConfig& config);
+ private:
+  bool before_;
+};
+
+// Records a launch error as cudaGetLastError reports it, for a configuration the GPU refuses;
+// otherwise fixes the launch's limits as they are at the call.
+bool launchable(const void* kernel, LaunchConfig& config);
 // Runs body once per thread of every block.
 void run_grid(const void* kernel, const LaunchConfig& config, const std::function<void()>& body);
 
@@ -239,9 +252,10 @@ void run_grid(const void* kernel, const LaunchConfig& config, const std::functio
 template <typename Call, typename... Args>
 void launch(const LaunchConfig& config, const void* kernel, Call call, Args&&... args) {
   std::tuple<std::decay_t<Args>...> copied(std::forward<Args>(args)...);  // once, as a launch copies them
-  if (!launchable(kernel, config)) return;
-  enqueue(config.stream, [config, kernel, call, copied]() mutable {
-    run_grid(kernel, config, [&] { std::apply(call, copied); });
+  LaunchConfig fixed = config;
+  if (!launchable(kernel, fixed)) return;
+  enqueue(fixed.stream, [fixed, kernel, call, copied]() mutable {
+    run_grid(kernel, fixed, [&] { std::apply(call, copied); });
   });
 }
 

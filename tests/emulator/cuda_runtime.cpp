@@ -117,6 +117,7 @@ void record_launch_error(cudaError_t error) { last_error = error; }
 bool lazy_streams() { return lazy; }
 
 void set_lazy_streams(bool on) {
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
   synchronize_device();
   lazy = on;
 }
@@ -161,6 +162,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) { return allocate(p, bytes, true)
 cudaError_t cudaMallocHost(void** p, size_t bytes) { return allocate(p, bytes, false); }
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return allocate(p, bytes, false); }
 cudaError_t cudaFreeHost(void* p) {
+  if (!p) return cudaSuccess;
   synchronize_device();  // as CUDA's does
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -197,21 +199,19 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind)
   return cudaSuccess;
 }
 // Lazy: a pageable source is read at the call (CUDA stages it), a page-locked one when the copy
-// runs; a page-locked destination holds poison until then, and the call returns only once a copy
-// into pageable memory is done (as CUDA's).
+// runs; the call returns only once a copy into pageable memory, or between host buffers, is done
+// (as CUDA's).
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t stream) {
   if (!bytes) return cudaSuccess;
-  const bool from_pageable = !within(allocations, src) && !within(pinned, src),
-             to_pageable = !within(allocations, dst) && !within(pinned, dst);
-  if (lazy && from_pageable) {
+  const bool from_host = !within(allocations, src), to_host = !within(allocations, dst);
+  if (lazy && from_host && !within(pinned, src)) {
     auto image = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src),
                                                               static_cast<const unsigned char*>(src) + bytes);
     enqueue(stream, [=] { std::memcpy(dst, image->data(), bytes); });
   } else {
-    if (lazy && within(pinned, dst)) std::memset(dst, 0xFF, bytes);
     enqueue(stream, [=] { std::memmove(dst, src, bytes); });
   }
-  if (to_pageable) synchronize(stream_of(stream));
+  if ((to_host && !within(pinned, dst)) || (from_host && to_host)) synchronize(stream_of(stream));
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
@@ -232,6 +232,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
   synchronize(stream_of(s));  // its work still runs on the GPU
   stream_of(s).destroyed = true;
   return cudaSuccess;
@@ -242,6 +243,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
 }
 // The wait is for the event's record as it stands now, as CUDA's (none yet: nothing to wait for).
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
   const Event& event = *reinterpret_cast<Event*>(e);
   Stream* recording = event.stream;
   const uint64_t through = event.through;
@@ -258,7 +260,8 @@ cudaError_t cudaDeviceSynchronize() {
 cudaError_t cudaProfilerStart() { return cudaSuccess; }
 cudaError_t cudaProfilerStop() { return cudaSuccess; }
 
-// Events keep the host time at which their last record ran, for cudaEventElapsedTime.
+// Events keep the host time at which their last record ran, for cudaEventElapsedTime (each record
+// its own, so an older record that runs late does not overwrite a newer one's).
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
   *e = reinterpret_cast<cudaEvent_t>(new Event);
   return cudaSuccess;
@@ -275,15 +278,14 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     event.stream = &stream_of(s);
     event.through = event.stream->enqueued + 1;
   }
+  event.recorded = std::make_shared<std::chrono::steady_clock::time_point>();
   enqueue(s, [recorded = event.recorded] { *recorded = std::chrono::steady_clock::now(); });
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  std::lock_guard<std::recursive_mutex> lock(stream_mutex);
   const Event& event = *reinterpret_cast<Event*>(e);
-  if (lazy && event.stream) {
-    std::lock_guard<std::recursive_mutex> lock(stream_mutex);
-    run_until(*event.stream, event.through);
-  }
+  if (lazy && event.stream) run_until(*event.stream, event.through);
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {

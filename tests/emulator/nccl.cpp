@@ -101,7 +101,8 @@ ncclResult_t ncclGroupEnd() {
   if (--group_depth > 0) return ncclSuccess;
   ncclResult_t result = sends.size() == receives.size() ? ncclSuccess : ncclInvalidUsage;
   for (size_t i = 0; result == ncclSuccess && i < sends.size(); ++i) {
-    if (sends[i].bytes != receives[i].bytes) result = ncclInvalidUsage;
+    // (a send and its receive on two streams would order the copy after both: not emulated)
+    if (sends[i].bytes != receives[i].bytes || sends[i].stream != receives[i].stream) result = ncclInvalidUsage;
     else
       emu::enqueue(receives[i].stream, [from = sends[i].buffer, to = receives[i].buffer, bytes = sends[i].bytes] {
         std::memmove(to, from, bytes);

@@ -530,7 +530,7 @@ TEST_CASE("a tile written with plain stores and read by a wgmma without fence.pr
 // another's result without waiting for its event reads what was there before, and a page-locked
 // source rewritten before its copy ran is copied as rewritten; with the waits, as on the GPU.
 TEST_CASE("lazy streams: a read without the wait for the writer's event, and a staging buffer reused early, show") {
-  emu::set_lazy_streams(true);
+  emu::LazyStreamsScope lazy;
   cudaStream_t writer, reader;
   CUDA_CHECK(cudaStreamCreateWithFlags(&writer, cudaStreamNonBlocking));
   CUDA_CHECK(cudaStreamCreateWithFlags(&reader, cudaStreamNonBlocking));
@@ -564,11 +564,20 @@ TEST_CASE("lazy streams: a read without the wait for the writer's event, and a s
   };
   CHECK(upload_then_reuse(true) == 3.0f);
   CHECK(upload_then_reuse(false) == 4.0f);  // copied as rewritten
+  // In stream order, correct programs get CUDA's results: a page-locked buffer up and back down,
+  // a copy between host buffers (synchronous).
+  *staging = 5.0f;
+  CUDA_CHECK(cudaMemcpyAsync(x.get(), staging, sizeof(float), cudaMemcpyHostToDevice, writer));
+  CUDA_CHECK(cudaMemcpyAsync(staging, x.get(), sizeof(float), cudaMemcpyDeviceToHost, writer));
+  CUDA_CHECK(cudaStreamSynchronize(writer));
+  CHECK(*staging == 5.0f);
+  const float seven = 7.0f;
+  CUDA_CHECK(cudaMemcpyAsync(staging, &seven, sizeof(float), cudaMemcpyHostToHost, writer));
+  CHECK(*staging == 7.0f);
   CUDA_CHECK(cudaFreeHost(staging));
   CUDA_CHECK(cudaEventDestroy(written));
   CUDA_CHECK(cudaStreamDestroy(writer));
   CUDA_CHECK(cudaStreamDestroy(reader));
-  emu::set_lazy_streams(false);
 }
 
 TEST_CASE("TMA map: a start off 16 bytes or rows a stride not a multiple of 16 bytes are refused, naming the tensor") {

@@ -352,9 +352,13 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
     b.fenced = b.shared;
   else
     b.fenced.clear();
+  // Even blocks run warp 0 ahead first, odd ones the last warp: a warp that reads what a later
+  // warp writes, without a barrier between, meets poison in the one order, as does one that reads
+  // what an earlier warp writes in the other.
+  const bool last_warp_first = (block_index.x + block_index.y + block_index.z) % 2 == 1;
   while (b.live > 0) {
     const uint64_t progress = b.progress;
-    for (int w = 0; w < warps; ++w) run_warp_to_barrier(b, w);
+    for (int i = 0; i < warps; ++i) run_warp_to_barrier(b, last_warp_first ? warps - 1 - i : i);
     if (b.progress == progress && b.live > 0)
       fatal("deadlock in block (" + std::to_string(block_index.x) + ", " + std::to_string(block_index.y) + ", " +
             std::to_string(block_index.z) + "): " + waits_of(b));
@@ -847,7 +851,7 @@ void warp_collective(const char* what, const void* in, size_t in_bytes, void* ou
     std::memcpy(out, w.inputs[parity], 32 * in_bytes);
 }
 
-bool launchable(const void* kernel, const LaunchConfig& c) {
+bool launchable(const void* kernel, LaunchConfig& c) {
   const size_t threads = size_t(c.block.x) * c.block.y * c.block.z;
   if (threads == 0 || threads > kMaxThreadsPerBlock || c.block.z > 64 || c.grid.x == 0 || c.grid.y == 0 ||
       c.grid.z == 0 || c.grid.y > 65535 || c.grid.z > 65535) {
@@ -859,6 +863,7 @@ bool launchable(const void* kernel, const LaunchConfig& c) {
     return false;
   }
   if (this_host().running) fatal("a kernel launched from inside a kernel");
+  c.static_budget = static_shared_budget(kernel, c.shared_bytes);
   return true;
 }
 
@@ -868,7 +873,7 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
   b.shared.resize(c.shared_bytes);  // poisoned as each block starts
   ++b.launch;
   b.static_bytes = 0;
-  b.static_budget = static_shared_budget(kernel, c.shared_bytes);
+  b.static_budget = c.static_budget;
   for (unsigned z = 0; z < c.grid.z; ++z)
     for (unsigned y = 0; y < c.grid.y; ++y)
       for (unsigned x = 0; x < c.grid.x; ++x) run_block(c, dim3(x, y, z));

@@ -218,7 +218,7 @@ TEST_CASE("every injected distributed bug makes the GPU oracle fail, by 10x the 
 // the trainer's waits allow, where the default emulation runs them as early as possible, and a
 // missing wait shows as stale gradients or weights (on a GPU it shows only when the timing says so).
 TEST_CASE("lazy streams: W = 3 reproduces W = 1 with the communication as late as its waits allow; a skipped wait fails") {
-  emu::set_lazy_streams(true);
+  emu::LazyStreamsScope lazy;
   std::string where;
   const double rounding = worst_error(single_rank_result(), train_ranks(kBugWorld, "fp32-rs", token_stream()), where);
   std::printf("  %-26s W = %d: worst relative error %.3e (%s)\n", "none (rounding)", kBugWorld, rounding, where.c_str());
@@ -235,7 +235,6 @@ TEST_CASE("lazy streams: W = 3 reproduces W = 1 with the communication as late a
     CHECK(error > kBound);
     CHECK(error >= kRoundingMargin * rounding);
   }
-  emu::set_lazy_streams(false);
 }
 #endif
 
