@@ -177,6 +177,18 @@ __global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CU
   if (consumer == 0 && mistake != RingMistake::turn_left) ptx::named_barrier_sync(1, 256);  // the last hand-over
 }
 
+// S = B B^T over the first 16 columns of the swizzled [64 x 64] box (m64n64k16, both operands the
+// box), issued and waited for by the calling warpgroup: the thread's first accumulator element.
+__device__ float box_product(const bf16* box) {
+  const uint64_t desc = wgmma_tiles::swizzled_128b_descriptor(box, 16, wgmma_tiles::kSwizzleAtomBytes);
+  float s[8][4];
+  ptx::wgmma_fence();
+  ptx::wgmma_m64n64k16_ss</*trans_b=*/0>(s, desc, desc, /*accumulate=*/false);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  return s[0][0];
+}
+
 // One TMA box read by a wgmma: warpgroup 0's first thread copies the ring's first box, warpgroup
 // 1 waits for it (all of it, or all but warp `skip_warp`) and issues S = B B^T over its first 16
 // columns (m64n64k16, both operands the box).
@@ -198,13 +210,7 @@ __global__ void __launch_bounds__(256, 1) tma_wgmma_kernel(const __grid_constant
     return;
   }
   if (int(threadIdx.x / 32) != skip_warp) wgmma_tiles::mbarrier_wait(&full, 0);
-  const uint64_t desc = wgmma_tiles::swizzled_128b_descriptor(box, 16, wgmma_tiles::kSwizzleAtomBytes);
-  float s[8][4];
-  ptx::wgmma_fence();
-  ptx::wgmma_m64n64k16_ss</*trans_b=*/0>(s, desc, desc, /*accumulate=*/false);
-  ptx::wgmma_commit();
-  ptx::wgmma_wait<0>();
-  out[threadIdx.x - 128] = s[0][0];
+  out[threadIdx.x - 128] = box_product(box);
 }
 
 // An epilogue's TMA stores as our GEMM issues them: one warpgroup stages tile t ([64 rows][64
@@ -248,13 +254,7 @@ __global__ void __launch_bounds__(128, 1) staged_wgmma_kernel(float* out, bool f
   }
   if (fence) ptx::fence_proxy_async_shared();
   __syncthreads();
-  const uint64_t desc = wgmma_tiles::swizzled_128b_descriptor(box, 16, wgmma_tiles::kSwizzleAtomBytes);
-  float s[8][4];
-  ptx::wgmma_fence();
-  ptx::wgmma_m64n64k16_ss</*trans_b=*/0>(s, desc, desc, /*accumulate=*/false);
-  ptx::wgmma_commit();
-  ptx::wgmma_wait<0>();
-  out[threadIdx.x] = s[0][0];
+  out[threadIdx.x] = box_product(box);
 }
 
 // out[0] = in[0], one thread (a stream's read of what another stream wrote).
