@@ -326,6 +326,13 @@ TEST_CASE("the rank consistency check stops every rank and names the parameter t
 }
 
 TEST_CASE("a traced step shows the reductions going out during the last micro-sequence's backward") {
+#ifdef SPEEDRUN_EMULATED
+  if (emu::lazy_streams()) {  // (SPEEDRUN_EMULATOR_STREAMS=lazy) each reduction runs when a wait asks for it
+    std::printf("  lazy streams: the spans' times show when the waits ran the work, not the launch schedule: "
+                "not checked\n");
+    return;
+  }
+#endif
   // One rank: its communication stream does nothing but follow the backward's completion points,
   // so where each reduction starts shows the launch schedule without another rank's timing.
   Hyperparameters h = test_hyperparameters(kSteps, kMicro, kT);
