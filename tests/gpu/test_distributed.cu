@@ -17,8 +17,8 @@
 #include <unistd.h>
 
 #include <filesystem>
-#include <initializer_list>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 
 namespace {
