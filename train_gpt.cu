@@ -820,8 +820,35 @@ struct Param {
   int layer;       // the block, or the value-embedding table; -1 otherwise
   int64_t numel;
   size_t offset;   // into the embedding store (embeddings) or the master store (everything else)
+  int complete_after = -1;  // the GPT::GradientsDone point after which its gradient is complete (parameter_list)
   bool is_embedding() const { return kind == ParamKind::embed || kind == ParamKind::value_embed; }
 };
+
+// The GPT::GradientsDone point after which p's gradient is complete in the last micro-sequence's
+// backward: a block's matrices after their block, lm_head after the head (num_layers), a
+// value-embedding table after the lowest block that reads it (its gradient is added where each
+// block's attention backward is), everything else (the token embedding, the scalars that every
+// block touches) at the end (-1). The earlier a point, the more of the reduction hides under the
+// backward of the blocks below.
+inline int gradient_complete_after(const Param& p, const GPTConfig& c) {
+  switch (p.kind) {
+    case ParamKind::qkv:
+    case ParamKind::attn_proj:
+    case ParamKind::mlp_fc:
+    case ParamKind::mlp_proj: return p.layer;
+    case ParamKind::lm_head: return c.num_layers;
+    case ParamKind::value_embed: {
+      int point = -1;  // a table no block reads: the end
+      for (int i = 0; i < c.num_layers; ++i)
+        if (c.value_embed[i] == p.layer) {
+          point = i;  // the lowest reader
+          if (injected_fault() != Fault::value_embed_reduced_early) break;  // the oracle's bug: the highest
+        }
+      return point;
+    }
+    default: return -1;
+  }
+}
 
 // Module order (the reference's named_parameters order); storage groups Muon's shapes together.
 inline std::vector<Param> parameter_list(const GPTConfig& c) {
@@ -849,6 +876,7 @@ inline std::vector<Param> parameter_list(const GPTConfig& c) {
         p.offset = end;
         end += size_t(p.numel);
       }
+  for (Param& p : list) p.complete_after = gradient_complete_after(p, c);
   return list;
 }
 
@@ -1410,21 +1438,6 @@ inline ShardPlan shard_plan_of(const std::vector<Param>& list, int world_size) {
   return plan_shards(infos, world_size);
 }
 
-// The GPT::GradientsDone point after which p's gradient is complete in the last micro-sequence:
-// a block's matrices after their block, lm_head after the head, everything else (the embeddings,
-// the scalars that every block touches) at the end.
-inline int gradient_complete_after(const Param& p, int num_layers) {
-  if (is_muon_param(p.kind)) return p.layer;
-  return p.kind == ParamKind::lm_head ? num_layers : -1;
-}
-
-inline int num_blocks_of(const std::vector<Param>& list) {
-  int layers = 0;
-  for (const Param& p : list)
-    if (is_muon_param(p.kind)) layers = std::max(layers, p.layer + 1);
-  return layers;
-}
-
 inline double adam_lr_multiplier(const Hyperparameters& h, ParamKind kind) {
   switch (kind) {
     case ParamKind::embed:
@@ -1638,7 +1651,7 @@ class Optimizers {
     c.whole = c.bf16_param ? static_cast<void*>(params_.embeddings + p.offset) : static_cast<void*>(params_.master + p.offset);
     c.count = size_t(p.numel);
     c.share = size_t(s.slice_elems());
-    c.complete_after = gradient_complete_after(p, num_blocks_of(params_.list));
+    c.complete_after = p.complete_after;
     c.name = p.name;
     if (c.bf16_param) {  // state in the param's dtype, as the reference
       c.state_m = memory.alloc<bf16>("Adam m of " + p.name, c.share);
@@ -1666,7 +1679,7 @@ class Optimizers {
         throw std::logic_error("Muon chunk of " + first.name + ": " + params_.list[param].name +
                                " is not slice " + std::to_string(r) + " of the chunk's storage");
       c.count += c.share;
-      c.complete_after = std::min(c.complete_after, gradient_complete_after(params_.list[param], 0));
+      c.complete_after = std::min(c.complete_after, params_.list[param].complete_after);
     }
     c.local_grad = params_.grads + first.offset;
     c.whole = params_.master + first.offset;

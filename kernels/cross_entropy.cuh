@@ -6,6 +6,7 @@
 #pragma once
 #include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
+#include "kernels/ptx.cuh"
 
 #include <cmath>
 #include <stdexcept>
@@ -44,15 +45,25 @@ __device__ inline float row_sigmoid(const float4* sig, int vectors, int element)
   return reinterpret_cast<const float*>(sig + (j < 4 ? i : vectors + i))[j % 4];
 }
 
+// Of each 8 logits, the first pass evaluates 3 of its 8 exp(z - cap) and the second pass 3 of its
+// 8 exponentials on the FMA pipe (exp2_fma), the rest on MUFU: 26 MUFU operations for 8 logits
+// instead of 32, which balances the MUFU pipe (8 cycles a warp each) with the issue slots that the
+// polynomials take (a model: docs/PERF.md, 2026-11-28 tenth session; bench_kernels times 0 to 5).
+constexpr int kCrossEntropyFmaExps = 3;
+
 // logits [T, V] bf16, targets [T], losses [T] fp32; the gradient (when grad_scale != 0) to `store`.
-// z <= cap, so exp(z - cap) never overflows and logsumexp needs no running maximum.
-template <class GradientStore>
+// z = cap sig <= cap, so exp(z - cap) never overflows and logsumexp needs no running maximum. Every
+// exponential is a power of 2 of one FFMA: sig = 1 / (1 + 2^(x c0)), exp(z - cap) = 2^(sig c1 - c1)
+// and p = exp(z - logsumexp) = 2^(sig c1 - c1 - log2(sum)), with c0 = -log2(e) / divisor, c1 = cap
+// log2(e); all MUFU operations flush subnormals (no sum or gradient here is near them).
+template <class GradientStore, int fma_exps>
 __global__ void __launch_bounds__(kCrossEntropyThreads)
 softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float* losses, int V, Softcap sc,
                              float grad_scale, GradientStore store) {
   extern __shared__ float4 sig_smem[];  // [V / 4]: the row's sigmoids (row_sigmoid)
   const int t = blockIdx.x, vectors = V / 8;
-  const float inv_divisor = sc.inv_divisor;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float c0 = -kLog2e * sc.inv_divisor, c1 = kLog2e * sc.cap;
   const bf16* row = logits + size_t(t) * V;
   float sum = 0;
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
@@ -60,27 +71,35 @@ softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float*
     float sig[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      sig[j] = __fdividef(1.0f, 1.0f + __expf(-__bfloat162float(x.v[j]) * inv_divisor));
-      sum += __expf(sc.cap * sig[j] - sc.cap);
+      sig[j] = ptx::rcp_ftz(1.0f + ptx::exp2_ftz(__bfloat162float(x.v[j]) * c0));
+      const float exponent = fmaf(sig[j], c1, -c1);
+      sum += j < fma_exps ? exp2_fma(exponent) : ptx::exp2_ftz(exponent);
     }
     sig_smem[i] = make_float4(sig[0], sig[1], sig[2], sig[3]);
     sig_smem[vectors + i] = make_float4(sig[4], sig[5], sig[6], sig[7]);
   }
   sum = block_sum(sum);  // its barriers also publish sig_smem
   const int target = targets[t];
-  // z_target = cap * sig, rounded on its own (no FMA with the sum), as __fdividef(cap, ...) was before
+  // z_target = cap * sig, rounded on its own (no FMA with the sum)
   if (threadIdx.x == 0) losses[t] = sc.cap + logf(sum) - __fmul_rn(sc.cap, row_sigmoid(sig_smem, vectors, target));
   if (grad_scale == 0.0f) return;
-  float inv_sum = 1.0f / sum;
+  // dloss/dlogit = (p - [target]) cap sig (1 - sig) / divisor, times grad_scale
+  const float shift = c1 + log2f(sum), scale = grad_scale * sc.cap * sc.inv_divisor;
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
     const float4 low = sig_smem[i], high = sig_smem[vectors + i];
     const float sig[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
-    float g[8];
+    float p[8], dz_dlogit[8], g[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float p = __expf(sc.cap * sig[j] - sc.cap) * inv_sum;
-      float dz = p - (i * 8 + j == target ? 1.0f : 0.0f);
-      g[j] = dz * (grad_scale * sc.cap * inv_divisor) * sig[j] * (1.0f - sig[j]);
+      const float exponent = fmaf(sig[j], c1, -shift);
+      p[j] = j < fma_exps ? exp2_fma(exponent) : ptx::exp2_ftz(exponent);
+      dz_dlogit[j] = scale * fmaf(-sig[j], sig[j], sig[j]);
+      g[j] = p[j] * dz_dlogit[j];
+    }
+    if (i == target / 8) {  // one thread of the row: the target's (p - 1), rounded once
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j == target % 8) g[j] = fmaf(p[j], dz_dlogit[j], -dz_dlogit[j]);
     }
     store(size_t(t) * V + i * 8, g);
   }
@@ -88,19 +107,26 @@ softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float*
 
 // Token losses of logits [T, V] and, unless grad_scale is 0, the gradient of their SUM (times
 // grad_scale) handed to `store`. The row read ends before any store, so a store may overwrite it.
-template <class GradientStore>
+// fma_exps: of each 8 logits' exponentials per pass, how many go to the FMA pipe (the benchmark
+// times other splits).
+template <int fma_exps = kCrossEntropyFmaExps, class GradientStore>
 void softcap_cross_entropy(const bf16* logits, const uint16_t* targets, float* losses, int T, int V, float grad_scale,
                            GradientStore store, cudaStream_t stream, Softcap sc) {
   if (V % 8) throw std::invalid_argument("cross entropy: vocab " + std::to_string(V) + " is not a multiple of 8");
+  // exp2_fma's arguments lie in [-(cap log2(e) + log2(V)), 0]: 2^-126 is its least result
+  if (!(sc.cap > 0) || double(sc.cap) * 1.4426950408889634 + std::log2(double(V)) > 126)
+    throw std::invalid_argument("cross entropy: softcap " + std::to_string(sc.cap) + " with vocab " + std::to_string(V) +
+                                " is outside (0, (126 - log2(vocab)) / log2(e)]");
   const size_t smem = size_t(V) * sizeof(float);
   if (smem + kBlockSumSharedBytes > kCrossEntropyMaxSharedBytes)
     throw std::invalid_argument("cross entropy: a row of vocab " + std::to_string(V) + " needs " +
                                 std::to_string(smem) + " bytes of shared memory for its fp32 sigmoids, more than " +
                                 std::to_string(kCrossEntropyMaxSharedBytes - kBlockSumSharedBytes) +
                                 " (Hopper's 227 KiB a block, less block_sum's)");
-  CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel<GradientStore>,
+  static_assert(0 <= fma_exps && fma_exps <= 8, "of 8 exponentials");
+  CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel<GradientStore, fma_exps>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  softcap_cross_entropy_kernel<GradientStore>
+  softcap_cross_entropy_kernel<GradientStore, fma_exps>
       <<<T, kCrossEntropyThreads, smem, stream>>>(logits, targets, losses, V, sc, grad_scale, store);
   CUDA_CHECK_LAUNCH();
 }

@@ -43,18 +43,24 @@ __device__ inline float block_sum(float v) {
   return total;
 }
 
-// norms[i] = ||x[i n .. (i + 1) n)||_F, block i per matrix: a fixed reduction order, deterministic.
-constexpr int kFrobeniusThreads = 1024;
-template <typename T>
-__global__ void __launch_bounds__(kFrobeniusThreads) frobenius_norms_kernel(const T* x, size_t n, float* norms) {
-  const T* matrix = x + blockIdx.x * n;
-  float ss = 0;
-  for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
-    float v = float(matrix[i]);
-    ss += v * v;
-  }
-  ss = block_sum(ss);
-  if (threadIdx.x == 0) norms[blockIdx.x] = sqrtf(ss);
+// 2^x for x in [-126, 127] on the FMA pipe instead of the special-function unit (MUFU), for kernels
+// that the MUFU pipe bounds: x = j + f with j = round(x), a degree-5 minimax polynomial of 2^f on
+// [-1/2, 1/2] (relative error 2.1e-7, about 4 ulp, where ex2.approx has 2), times 2^j. Adding
+// 1.5 * 2^23 + 127 rounds x and leaves j + 127 in the sum's low bits, so 2^j's bits are one shift
+// of them. About 10 issue slots against MUFU.EX2's one, but the MUFU pipe takes 8 cycles a warp:
+// a kernel that evaluates some of its exponentials here and the rest on MUFU balances the two pipes.
+// Outside [-126, 127] the result is wrong (the caller bounds x); NaN stays NaN.
+__device__ inline float exp2_fma(float x) {
+  constexpr float kRoundAndBias = 12582912.0f + 127.0f;
+  const float rounded = __fadd_rn(x, kRoundAndBias);
+  const float f = x - __fadd_rn(rounded, -kRoundAndBias);
+  float p = 1.327647129e-3f;
+  p = fmaf(p, f, 9.675540961e-3f);
+  p = fmaf(p, f, 5.550713092e-2f);
+  p = fmaf(p, f, 2.402212024e-1f);
+  p = fmaf(p, f, 6.931469440e-1f);
+  p = fmaf(p, f, 1.000000119e+0f);
+  return p * __int_as_float(int(uint32_t(__float_as_int(rounded)) << 23));
 }
 
 // x rounded to bf16 (to nearest, as store8 rounds), as a float.
@@ -101,6 +107,61 @@ __device__ inline void store4(bf16* p, const float in[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) x.v[i] = __float2bfloat16(in[i]);
   *reinterpret_cast<Bf16x4*>(p) = x;
+}
+
+// norms[i] = ||x[i n .. (i + 1) n)||_F for a batch of matrices x [batch, n]. Each block sums the
+// squares of one chunk of kFrobeniusChunk elements of one matrix (8 elements a load where n and x
+// allow), then a warp per matrix adds its chunks' partial sums in chunk order: deterministic, and a
+// matrix's norm is the same whatever batch it is in (the self-check compares the batched Muon with
+// one matrix at a time). One block per matrix, as before, left most SMs idle and read about 8 GB/s
+// a block: 0.55 ms a call for the MLP's shape group on an H200 (docs/PERF.md, 2026-11-27).
+constexpr int kFrobeniusThreads = 256;
+constexpr size_t kFrobeniusChunk = 16384;
+inline size_t frobenius_chunks(size_t n) { return std::max<size_t>((n + kFrobeniusChunk - 1) / kFrobeniusChunk, 1); }
+
+// partials[m * gridDim.x + c] = the sum of squares of chunk c of matrix m
+template <typename T>
+__global__ void __launch_bounds__(kFrobeniusThreads)
+    frobenius_partials_kernel(const T* x, size_t n, bool vectors, float* partials) {
+  const size_t first = blockIdx.x * kFrobeniusChunk, end = first + kFrobeniusChunk < n ? first + kFrobeniusChunk : n;
+  const T* matrix = x + blockIdx.y * n;
+  float ss = 0;
+  if (vectors) {
+    for (size_t i = first + threadIdx.x * 8; i < end; i += kFrobeniusThreads * 8) {
+      float v[8];
+      load8(matrix + i, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+    }
+  } else {
+    for (size_t i = first + threadIdx.x; i < end; i += kFrobeniusThreads) {
+      const float v = float(matrix[i]);
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss);
+  if (threadIdx.x == 0) partials[blockIdx.y * gridDim.x + blockIdx.x] = ss;
+}
+
+// norms[m] = sqrt(partials[m * chunks] + ... + partials[m * chunks + chunks - 1]), a warp per matrix
+__global__ void frobenius_finish_kernel(const float* partials, int chunks, float* norms) {
+  const float* mine = partials + size_t(blockIdx.x) * chunks;
+  float ss = 0;
+  for (int c = threadIdx.x; c < chunks; c += 32) ss += mine[c];
+  ss = warp_sum(ss);
+  if (threadIdx.x == 0) norms[blockIdx.x] = sqrtf(ss);
+}
+
+// norms [batch] of x [batch, n]; partials: room for batch * frobenius_chunks(n) floats.
+template <typename T>
+void frobenius_norms(const T* x, int batch, size_t n, float* partials, float* norms, cudaStream_t stream) {
+  const size_t chunks = frobenius_chunks(n);
+  const bool vectors = n % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  frobenius_partials_kernel<<<dim3(unsigned(chunks), unsigned(batch)), kFrobeniusThreads, 0, stream>>>(x, n, vectors,
+                                                                                                        partials);
+  CUDA_CHECK_LAUNCH();
+  frobenius_finish_kernel<<<batch, 32, 0, stream>>>(partials, int(chunks), norms);
+  CUDA_CHECK_LAUNCH();
 }
 
 // The current device's SMs (asked once: a process drives one device).

@@ -182,6 +182,7 @@ class DiLoCo {
     if (s_.bf16_exchange) traffic_ = alloc<bf16>(2 * largest);
     if (L > 1) gathered_ = alloc<float>(size_t(L) * largest);
     norm_ = alloc<float>(1);
+    norm_partials_ = alloc<float>(frobenius_chunks(largest));
     CUDA_CHECK(cudaStreamCreateWithFlags(&exchange_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&exchanged_, cudaEventDisableTiming));
@@ -402,8 +403,7 @@ class DiLoCo {
     const int G = across_.world_size();
     const size_t valid = my_valid(sl);
     const float divisor = float(injected_fault() == Fault::diloco_average_by_world ? G * group_.world_size() : G);
-    frobenius_norms_kernel<<<1, kFrobeniusThreads, 0, stream>>>(received_, valid, norm_);
-    CUDA_CHECK_LAUNCH();
+    frobenius_norms(received_, 1, valid, norm_partials_, norm_, stream);
     outer_nesterov_kernel<<<elementwise_grid(valid), 256, 0, stream>>>(
         received_, divisor, average ? nullptr : sl.momentum, sl.global, valid, average ? 1.0f : float(s_.outer_lr),
         float(s_.outer_momentum), injected_fault() == Fault::diloco_momentum_reset);
@@ -447,6 +447,7 @@ class DiLoCo {
   bf16* traffic_ = nullptr;            // [2 x largest share] bf16 exchange
   float* gathered_ = nullptr;          // [L x largest share] the group's mixed slices
   float* norm_ = nullptr;              // [1] the norm of this rank's summed slice
+  float* norm_partials_ = nullptr;     // its partial sums (frobenius_norms)
   std::optional<Pending> pending_;     // set only through set_pending
   int32_t in_flight_[2] = {-1, 0};     // pending_'s fragment (-1: none) and step started, for checkpoints
   cudaStream_t exchange_stream_ = nullptr;

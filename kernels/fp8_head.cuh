@@ -49,12 +49,17 @@ __host__ __device__ inline fp8 to_fp8(float v) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind == Fp8Kind::e4m3 ? __NV_E4M3 : __NV_E5M2);
 }
 
-// Eight values as eight FP8 bytes in two words, little end first.
+// Eight values as eight FP8 bytes in two words, little end first; two values a conversion (one
+// cvt.rn.satfinite of an fp32 pair, the same rounding as to_fp8).
 template <Fp8Kind kind>
 __device__ inline uint2 to_fp8_words(const float v[8], float inv_scale) {
   uint32_t word[2] = {0, 0};
 #pragma unroll
-  for (int i = 0; i < 8; ++i) word[i / 4] |= uint32_t(to_fp8<kind>(v[i] * inv_scale)) << (8 * (i % 4));
+  for (int i = 0; i < 8; i += 2) {
+    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
+        make_float2(v[i] * inv_scale, v[i + 1] * inv_scale), __NV_SATFINITE, kind == Fp8Kind::e4m3 ? __NV_E4M3 : __NV_E5M2);
+    word[i / 4] |= uint32_t(pair) << (8 * (i % 4));
+  }
   return make_uint2(word[0], word[1]);
 }
 
@@ -66,7 +71,10 @@ struct E5m2Gradient {
   __device__ void operator()(size_t element, const float g[8]) const {
     float rounded[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) rounded[i] = __bfloat162float(__float2bfloat16(g[i]));
+    for (int i = 0; i < 8; i += 2) {  // one conversion a pair
+      const __nv_bfloat162 pair = __float22bfloat162_rn(make_float2(g[i], g[i + 1]));
+      rounded[i] = __low2float(pair), rounded[i + 1] = __high2float(pair);
+    }
     *reinterpret_cast<uint2*>(out + element) = to_fp8_words<Fp8Kind::e5m2>(rounded, inv_scale);
   }
 };

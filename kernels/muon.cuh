@@ -40,9 +40,11 @@ class MuonWorkspace {
       : elem_capacity_(std::max<size_t>(max_batch_elems, 1)), batch_capacity_(std::max(max_batch, 1)) {
     for (bf16** b : {&x_, &next_, &a_, &b_}) CUDA_CHECK(cudaMalloc(b, elem_capacity_ * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&norms_, batch_capacity_ * sizeof(float)));
+    // a batch's matrices hold at most elem_capacity_ elements: one partial chunk more each
+    CUDA_CHECK(cudaMalloc(&norm_partials_, (elem_capacity_ / kFrobeniusChunk + batch_capacity_) * sizeof(float)));
   }
   ~MuonWorkspace() {
-    for (void* p : {(void*)x_, (void*)next_, (void*)a_, (void*)b_, (void*)norms_}) cudaFree(p);
+    for (void* p : {(void*)x_, (void*)next_, (void*)a_, (void*)b_, (void*)norms_, (void*)norm_partials_}) cudaFree(p);
   }
   MuonWorkspace(const MuonWorkspace&) = delete;
   MuonWorkspace& operator=(const MuonWorkspace&) = delete;
@@ -55,7 +57,8 @@ class MuonWorkspace {
   }
 
   bf16 *x_ = nullptr, *next_ = nullptr, *a_ = nullptr, *b_ = nullptr;
-  float* norms_ = nullptr;  // [batch] ||X_i||_F
+  float* norms_ = nullptr;          // [batch] ||X_i||_F
+  float* norm_partials_ = nullptr;  // frobenius_norms' partial sums
 
  private:
   size_t elem_capacity_;
@@ -76,10 +79,17 @@ __global__ void muon_momentum_kernel(const float* g, float* buf, bf16* x, int ro
   }
 }
 
-// x[batch, n] row i scaled by 1 / (norms[i] + 1e-7)
+// x[batch, n] row i divided by norms[i] + 1e-7, 8 elements a thread (n a multiple of 8; x is a Muon
+// workspace buffer, 256-byte aligned)
 __global__ void scale_by_inverse_norms_kernel(bf16* x, size_t n, size_t total, const float* norms) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x)
-    x[i] = __float2bfloat16(__bfloat162float(x[i]) / (norms[i / n] + 1e-7f));
+  for (size_t v = blockIdx.x * size_t(blockDim.x) + threadIdx.x; v < total / 8; v += size_t(gridDim.x) * blockDim.x) {
+    float values[8];
+    load8(x + 8 * v, values);
+    const float divisor = norms[8 * v / n] + 1e-7f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) values[j] /= divisor;
+    store8(x + 8 * v, values);
+  }
 }
 
 // p[rows, cols] -= lr * x, x stored [cols, rows] when `transpose`
@@ -95,9 +105,8 @@ __global__ void muon_apply_kernel(float* p, const bf16* x, int rows, int cols, b
 // X = a X + B X, in bf16, each product one strided-batched cuBLASLt call over the batch.
 inline void newton_schulz5(MuonWorkspace& ws, int batch, int r, int k, Matmul& matmul, cudaStream_t stream) {
   const size_t n = size_t(r) * k, rr = size_t(r) * r;
-  frobenius_norms_kernel<<<batch, kFrobeniusThreads, 0, stream>>>(ws.x_, n, ws.norms_);
-  CUDA_CHECK_LAUNCH();
-  scale_by_inverse_norms_kernel<<<elementwise_grid(batch * n), 256, 0, stream>>>(ws.x_, n, batch * n, ws.norms_);
+  frobenius_norms(ws.x_, batch, n, ws.norm_partials_, ws.norms_, stream);
+  scale_by_inverse_norms_kernel<<<elementwise_grid(batch * n / 8), 256, 0, stream>>>(ws.x_, n, batch * n, ws.norms_);
   CUDA_CHECK_LAUNCH();
   auto batched = [batch](int64_t stride_a, int64_t stride_b, int64_t stride_c) {
     MatmulOptions o;
@@ -127,6 +136,9 @@ inline void muon_update(const std::vector<MuonMatrix>& matrices, int rows, int c
   const int batch = int(matrices.size());
   if (batch == 0) return;
   ws.require_fits(batch, rows, cols);
+  if (size_t(rows) * cols % 8)  // the model's matrices have d = 128 heads: always
+    throw std::invalid_argument("muon: " + std::to_string(rows) + "x" + std::to_string(cols) +
+                                " matrices; the iteration takes a multiple of 8 elements");
   const size_t n = size_t(rows) * cols;
   const bool transpose = rows > cols;
   const int r = transpose ? cols : rows, k = transpose ? rows : cols;

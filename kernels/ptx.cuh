@@ -1,4 +1,4 @@
-// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, ex2, and sm_90a's wgmma,
+// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, ex2, rcp, and sm_90a's wgmma,
 // mbarriers, TMA copies, named barriers and register reallocation).
 // Kept apart so that the CPU emulator of the tests (tests/emulator/ptx.cuh) can give each one its
 // documented meaning while the kernels around them run unchanged.
@@ -29,6 +29,14 @@ __device__ inline void cp_async_wait_group() {
 __device__ inline float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1/x on the special-function unit, subnormals flushed to zero: one MUFU.RCP (1.0f / x and
+// __fdividef add range checks and a Newton step or a multiply).
+__device__ inline float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 

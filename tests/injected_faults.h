@@ -40,6 +40,7 @@ inline const char* fault_name(Fault f) {
     case Fault::rekls_stale_eigenvalues: return "rekls_stale_eigenvalues";
     case Fault::no_wait_for_reductions: return "no_wait_for_reductions";
     case Fault::no_wait_for_gathers: return "no_wait_for_gathers";
+    case Fault::value_embed_reduced_early: return "value_embed_reduced_early";
   }
   return "?";
 }

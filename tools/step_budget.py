@@ -120,7 +120,7 @@ def ops(pairs_per_micro, distinct_tokens, micro_batches):
         ("embedding backward (7 a micro-sequence)", r"^embedding_(backward|segment|split)_kernel$", 0,
          M * 7 * (2 * td + 8 * distinct_tokens * D), "copy"),
         ("optimizers: Adam, Muon's elementwise passes",
-         r"^(adam_kernel|muon_|frobenius_norms_kernel|scale_by_inverse_norms_kernel)", 0, 28 * adam + 20 * hidden,
+         r"^(adam_kernel|muon_|frobenius_|scale_by_inverse_norms_kernel)", 0, 28 * adam + 20 * hidden,
          "copy"),
     ]
 

@@ -33,6 +33,7 @@ enum class Fault {
   rekls_stale_eigenvalues,     // REKLS keeps the last refresh's eigenvalues between refreshes
   no_wait_for_reductions,      // the updates do not wait for the communication stream's reductions
   no_wait_for_gathers,         // the next forward does not wait for the communication stream's gathers
+  value_embed_reduced_early,   // a value-embedding table is reduced after its highest reader, not its lowest
 };
 
 inline Fault& injected_fault() {

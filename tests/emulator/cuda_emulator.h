@@ -334,6 +334,17 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline int __float_as_int(float x) {
+  int i;
+  std::memcpy(&i, &x, 4);
+  return i;
+}
+inline float __int_as_float(int i) {
+  float x;
+  std::memcpy(&x, &i, 4);
+  return x;
+}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 template <typename... Params>  // cuda_runtime.h declares this overload for nvcc only

@@ -46,6 +46,14 @@ inline float exp2_ftz(float x) {
   return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
 }
 
+// rcp.approx.ftz.f32: 1/x with subnormal inputs and results flushed to (signed) zero; exact here
+// where the GPU's approximation is within 1 ulp.
+inline float rcp_ftz(float x) {
+  if (std::fpclassify(x) == FP_SUBNORMAL) x = std::copysign(0.0f, x);
+  const float y = 1.0f / x;
+  return std::fpclassify(y) == FP_SUBNORMAL ? std::copysign(0.0f, y) : y;
+}
+
 // prefetch.global.L2: a hint about caches, which the emulator has none of.
 inline void prefetch_l2(const void*) {}
 

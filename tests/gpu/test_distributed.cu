@@ -217,7 +217,7 @@ void check_injected_faults(std::initializer_list<Fault> faults) {
 TEST_CASE("every injected distributed bug makes the GPU oracle fail, by 10x the rounding or more") {
   check_injected_faults({Fault::avg_instead_of_sum, Fault::local_count_normalization, Fault::prescale_by_world,
                          Fault::drop_rank_contribution, Fault::wrong_shard_offset, Fault::skip_all_gather,
-                         Fault::replicated_count_per_rank});
+                         Fault::replicated_count_per_rank, Fault::value_embed_reduced_early});
 }
 
 #ifdef SPEEDRUN_EMULATED
@@ -350,14 +350,19 @@ TEST_CASE("a traced step shows the reductions going out during the last micro-se
   std::vector<double> block0 = span_starts(path, "backward block 0");
   std::vector<double> head_reduce = span_starts(path, "reduce lm_head.weight");
   std::vector<double> late_chunk = span_starts(path, "reduce blocks.10.mlp.c_fc.weight chunk");
+  std::vector<double> value_embed_reduce = span_starts(path, "reduce value_embeds.2.weight");  // read by blocks 2 and 11
   std::vector<double> embed_reduce = span_starts(path, "reduce embed.weight");
   std::filesystem::remove(path);
-  CHECK(block0.size() == size_t(kMicro) && head_reduce.size() == 1 && late_chunk.size() == 1 && embed_reduce.size() == 1);
-  if (block0.empty() || head_reduce.empty() || late_chunk.empty() || embed_reduce.empty()) return;
+  CHECK(block0.size() == size_t(kMicro) && head_reduce.size() == 1 && late_chunk.size() == 1 &&
+        value_embed_reduce.size() == 1 && embed_reduce.size() == 1);
+  if (block0.empty() || head_reduce.empty() || late_chunk.empty() || value_embed_reduce.empty() || embed_reduce.empty())
+    return;
   std::printf("  last backward of block 0 starts at %.0f us; reductions: lm_head at %.0f us, blocks.10 c_fc at %.0f us, "
-              "embed at %.0f us\n", block0.back(), head_reduce[0], late_chunk[0], embed_reduce[0]);
+              "value_embeds.2 at %.0f us, embed at %.0f us\n",
+              block0.back(), head_reduce[0], late_chunk[0], value_embed_reduce[0], embed_reduce[0]);
   CHECK(head_reduce[0] < late_chunk[0]);
-  CHECK(late_chunk[0] < block0.back());  // hidden under the backward of the earlier blocks
+  CHECK(late_chunk[0] < value_embed_reduce[0]);   // after block 2, its lowest reader
+  CHECK(value_embed_reduce[0] < block0.back());  // hidden under the backward of blocks 1 and 0, like the chunk
   CHECK(embed_reduce[0] > block0.back());
 }
 

@@ -106,7 +106,36 @@ void check_sliced_matmul(int batches, uint64_t seed) {
   CHECK(std::isnan(c[0]));  // nothing written before the slice
 }
 
+__global__ void exp2_fma_kernel(const float* x, float* y, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = exp2_fma(x[i]);
+}
+
 }  // namespace
+
+TEST_CASE("exp2 on the FMA pipe: within 4 ulp of 2^x over [-126, 127], NaN kept") {
+  std::vector<float> x;
+  for (int j = -126; j <= 127; ++j)  // the ends, integers and half-way points of every binade
+    for (float f : {0.0f, 0.5f, -0.5f, 0.25f, 1e-7f, 0.4999999f, -0.4999999f}) x.push_back(float(j) + f);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> anywhere(-126.0f, 127.0f), unit(-1.0f, 1.0f);
+  for (int i = 0; i < 200000; ++i) x.push_back(i % 2 ? anywhere(rng) : unit(rng));
+  x.erase(std::remove_if(x.begin(), x.end(), [](float v) { return v < -126.0f || v > 127.0f; }), x.end());
+  x.push_back(std::numeric_limits<float>::quiet_NaN());
+  DeviceBuffer<float> dx(x), dy(x.size());
+  dy.poison();
+  exp2_fma_kernel<<<64, 256>>>(dx.get(), dy.get(), int(x.size()));
+  CUDA_CHECK_LAUNCH();
+  const std::vector<float> y = dy.download();
+  double worst = 0, worst_at = 0;
+  for (size_t i = 0; i + 1 < x.size(); ++i) {
+    const double rel = std::fabs(double(y[i]) / std::exp2(double(x[i])) - 1);
+    if (!(rel <= worst)) worst = rel, worst_at = x[i];
+  }
+  std::printf("  largest relative error %.3e (%.2f ulp) at x = %.7g over %zu points\n", worst, worst / 0x1p-24,
+              worst_at, x.size() - 1);
+  CHECK(worst <= 4 * 0x1p-24);
+  CHECK(std::isnan(y.back()));
+}
 
 TEST_CASE("matmul on slices aligned to 16 bytes, not 256: one product and a strided batch") {
   check_sliced_matmul(1, 11);
