@@ -45,17 +45,20 @@ __device__ inline float row_sigmoid(const float4* sig, int vectors, int element)
   return reinterpret_cast<const float*>(sig + (j < 4 ? i : vectors + i))[j % 4];
 }
 
-// Of each 8 logits, the first pass evaluates 3 of its 8 exp(z - cap) and the second pass 3 of its
-// 8 exponentials on the FMA pipe (exp2_fma), the rest on MUFU: 26 MUFU operations for 8 logits
-// instead of 32, which balances the MUFU pipe (8 cycles a warp each) with the issue slots that the
-// polynomials take (a model: docs/PERF.md, 2026-11-28 tenth session; bench_kernels times 0 to 5).
-constexpr int kCrossEntropyFmaExps = 3;
+// The first pass evaluates 3 MUFU operations a logit (2^, 1/x for the sigmoid, 2^ for the sum) and
+// is bound by the MUFU pipe (8 cycles a warp instruction; 24 for 8 logits against about 80 issue
+// slots), the second pass one (2^ for p) and is bound by its issue slots: so the first pass
+// evaluates 6 of each 8 logits' exp(z - cap) on the FMA pipe (exp2_fma, about 8 issue slots each)
+// and the second pass none (a model: docs/PERF.md, 2026-11-28 tenth session; bench_kernels times
+// other splits).
+constexpr int kCrossEntropyFmaExps = 6;
 
-// logits [T, V] bf16, targets [T], losses [T] fp32; the gradient (when grad_scale != 0) to `store`.
+// logits [T, V] bf16, targets [T], losses [T] fp32; the gradient (when grad_scale > 0) to `store`.
 // z = cap sig <= cap, so exp(z - cap) never overflows and logsumexp needs no running maximum. Every
 // exponential is a power of 2 of one FFMA: sig = 1 / (1 + 2^(x c0)), exp(z - cap) = 2^(sig c1 - c1)
-// and p = exp(z - logsumexp) = 2^(sig c1 - c1 - log2(sum)), with c0 = -log2(e) / divisor, c1 = cap
-// log2(e); all MUFU operations flush subnormals (no sum or gradient here is near them).
+// and p s = exp(z - logsumexp) s = 2^(sig c1 - c1 - log2(sum) + log2(s)) with the gradient's
+// scale s = grad_scale cap / divisor folded in, c0 = -log2(e) / divisor, c1 = cap log2(e); all MUFU
+// operations flush subnormals (no sum here is near them; a gradient below 2^-126 becomes 0).
 template <class GradientStore, int fma_exps>
 __global__ void __launch_bounds__(kCrossEntropyThreads)
 softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float* losses, int V, Softcap sc,
@@ -83,40 +86,45 @@ softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float*
   // z_target = cap * sig, rounded on its own (no FMA with the sum)
   if (threadIdx.x == 0) losses[t] = sc.cap + logf(sum) - __fmul_rn(sc.cap, row_sigmoid(sig_smem, vectors, target));
   if (grad_scale == 0.0f) return;
-  // dloss/dlogit = (p - [target]) cap sig (1 - sig) / divisor, times grad_scale
-  const float shift = c1 + log2f(sum), scale = grad_scale * sc.cap * sc.inv_divisor;
-  for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
+  // dloss/dlogit = (p - [target]) s sig (1 - sig), for the 8 logits of vector i; the target's -1
+  // where target_j names one of them (a compare a logit, so only where the target is)
+  const float scale = grad_scale * sc.cap * sc.inv_divisor, shift = c1 + log2f(sum) - log2f(scale);
+  auto gradient = [&](int i, int target_j, float (&g)[8]) {
     const float4 low = sig_smem[i], high = sig_smem[vectors + i];
     const float sig[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
-    float p[8], dz_dlogit[8], g[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float exponent = fmaf(sig[j], c1, -shift);
-      p[j] = j < fma_exps ? exp2_fma(exponent) : ptx::exp2_ftz(exponent);
-      dz_dlogit[j] = scale * fmaf(-sig[j], sig[j], sig[j]);
-      g[j] = p[j] * dz_dlogit[j];
+      const float p_scaled = ptx::exp2_ftz(fmaf(sig[j], c1, -shift)), dsig = fmaf(-sig[j], sig[j], sig[j]);
+      g[j] = j == target_j ? fmaf(p_scaled, dsig, -scale * dsig) : p_scaled * dsig;  // (p - 1) s, rounded once
     }
-    if (i == target / 8) {  // one thread of the row: the target's (p - 1), rounded once
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (j == target % 8) g[j] = fmaf(p[j], dz_dlogit[j], -dz_dlogit[j]);
-    }
+  };
+  for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
+    float g[8];
+    gradient(i, -1, g);
     store(size_t(t) * V + i * 8, g);
+  }
+  // The thread that stored the target's vector stores it again with the -1 (after its own first
+  // store, so this one stays): no compare in the loop above, no array indexed by the target.
+  if (threadIdx.x == target / 8 % blockDim.x) {
+    float g[8];
+    gradient(target / 8, target % 8, g);
+    store(size_t(t) * V + target / 8 * 8, g);
   }
 }
 
 // Token losses of logits [T, V] and, unless grad_scale is 0, the gradient of their SUM (times
 // grad_scale) handed to `store`. The row read ends before any store, so a store may overwrite it.
-// fma_exps: of each 8 logits' exponentials per pass, how many go to the FMA pipe (the benchmark
-// times other splits).
+// fma_exps: of each 8 logits' exp(z - cap), how many the first pass evaluates on the FMA pipe (the
+// benchmark times other splits).
 template <int fma_exps = kCrossEntropyFmaExps, class GradientStore>
 void softcap_cross_entropy(const bf16* logits, const uint16_t* targets, float* losses, int T, int V, float grad_scale,
                            GradientStore store, cudaStream_t stream, Softcap sc) {
   if (V % 8) throw std::invalid_argument("cross entropy: vocab " + std::to_string(V) + " is not a multiple of 8");
-  // exp2_fma's arguments lie in [-(cap log2(e) + log2(V)), 0]: 2^-126 is its least result
-  if (!(sc.cap > 0) || double(sc.cap) * 1.4426950408889634 + std::log2(double(V)) > 126)
-    throw std::invalid_argument("cross entropy: softcap " + std::to_string(sc.cap) + " with vocab " + std::to_string(V) +
-                                " is outside (0, (126 - log2(vocab)) / log2(e)]");
+  // exp2_fma's arguments lie in [-cap log2(e), 0]: 2^-126 is its least result
+  if (!(sc.cap > 0 && sc.cap * 1.4426950408889634 <= 126))
+    throw std::invalid_argument("cross entropy: softcap " + std::to_string(sc.cap) + " is outside (0, 126 / log2(e)]");
+  if (!(grad_scale >= 0))  // its log2 is folded into the gradient's exponent
+    throw std::invalid_argument("cross entropy: gradient scale " + std::to_string(grad_scale) + " is not >= 0");
   const size_t smem = size_t(V) * sizeof(float);
   if (smem + kBlockSumSharedBytes > kCrossEntropyMaxSharedBytes)
     throw std::invalid_argument("cross entropy: a row of vocab " + std::to_string(V) + " needs " +

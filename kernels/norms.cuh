@@ -8,18 +8,36 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 constexpr float kRmsEps = 1.1920928955078125e-07f;  // FLT_EPSILON
 constexpr int kMaxNormVectorsPerLane = 4;  // rows up to 32 lanes x 4 x 8 = 1024 elements
+constexpr int kNormThreads = 256;          // a block: 8 rows, a warp each
+
+// A warp holds its row in registers, `vectors` vectors of 8 a lane: the kernels take that count as
+// a template argument, so that a row of 768 holds 3 (with room for 4, rmsnorm_backward took 88
+// registers a thread and fit 2 blocks an SM, 16 warps: too few loads in flight for its pass).
+// Calls f(std::integral_constant<int, V>{}) with V the count a row of n takes.
+template <class F>
+void with_norm_vectors(int n, F&& f) {
+  static_assert(kMaxNormVectorsPerLane == 4, "a case per count");
+  switch ((n + 255) / 256) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
 
 // y[rows, n] = rmsnorm(x[rows, n])
+template <int vectors>
 __global__ void rmsnorm_forward_kernel(const bf16* x, bf16* y, int rows, int n, float eps) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
   const bf16* xr = x + size_t(row) * n;
-  float v[kMaxNormVectorsPerLane][8], ss = 0;
+  float v[vectors][8], ss = 0;
 #pragma unroll
-  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+  for (int k = 0; k < vectors; ++k) {
     int col = (k * 32 + lane) * 8;
     if (col < n) {
       load8(xr + col, v[k]);
@@ -28,7 +46,7 @@ __global__ void rmsnorm_forward_kernel(const bf16* x, bf16* y, int rows, int n, 
   }
   float inv = rsqrtf(warp_sum(ss) / n + eps);
 #pragma unroll
-  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+  for (int k = 0; k < vectors; ++k) {
     int col = (k * 32 + lane) * 8;
     if (col < n) {
       for (int i = 0; i < 8; ++i) v[k][i] *= inv;
@@ -45,13 +63,13 @@ __device__ inline float rmsnorm_backward_element(float prev, float inv, float dy
 // A warp's row of the RMS-norm backward: x and dy of the row (n wide) into the lane's registers
 // (vector k holds columns (32 k + lane) * 8 ..; those past n are left unset), inv = 1 / rms(x) and
 // mean(x dy).
-__device__ inline void rmsnorm_backward_row(const bf16* x, const bf16* dy, int n, float eps,
-                                            float (&xv)[kMaxNormVectorsPerLane][8],
-                                            float (&gv)[kMaxNormVectorsPerLane][8], float& inv, float& mean_dot) {
+template <int vectors>
+__device__ inline void rmsnorm_backward_row(const bf16* x, const bf16* dy, int n, float eps, float (&xv)[vectors][8],
+                                            float (&gv)[vectors][8], float& inv, float& mean_dot) {
   const int lane = threadIdx.x % 32;
   float ss = 0, dot = 0;
 #pragma unroll
-  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+  for (int k = 0; k < vectors; ++k) {
     int col = (k * 32 + lane) * 8;
     if (col < n) {
       load8(x + col, xv[k]);
@@ -63,15 +81,17 @@ __device__ inline void rmsnorm_backward_row(const bf16* x, const bf16* dy, int n
 }
 
 // dx[rows, n] (+)= d rmsnorm(x) / dx applied to dy: inv * dy - inv^3 * x * mean(x * dy)
-__global__ void rmsnorm_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, float eps,
+// 4 blocks an SM (64 registers a thread) where the row takes at most 3 vectors: no spill then
+template <int vectors>
+__global__ void __launch_bounds__(kNormThreads, vectors <= 3 ? 4 : 2) rmsnorm_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, float eps,
                                         bool accumulate) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
   size_t base = size_t(row) * n;
-  float xv[kMaxNormVectorsPerLane][8], gv[kMaxNormVectorsPerLane][8], inv, mean_dot;
+  float xv[vectors][8], gv[vectors][8], inv, mean_dot;
   rmsnorm_backward_row(x + base, dy + base, n, eps, xv, gv, inv, mean_dot);
 #pragma unroll
-  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+  for (int k = 0; k < vectors; ++k) {
     int col = (k * 32 + lane) * 8;
     if (col < n) {
       float out[8], prev[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -89,15 +109,21 @@ inline void check_norm_width(int n) {
 
 inline void rmsnorm_forward(const bf16* x, bf16* y, int rows, int n, cudaStream_t stream, float eps = kRmsEps) {
   check_norm_width(n);
-  const int warps = 8;
-  rmsnorm_forward_kernel<<<(rows + warps - 1) / warps, warps * 32, 0, stream>>>(x, y, rows, n, eps);
+  constexpr int warps = kNormThreads / 32;
+  with_norm_vectors(n, [&](auto vectors) {
+    constexpr int v = decltype(vectors)::value;
+    rmsnorm_forward_kernel<v><<<(rows + warps - 1) / warps, warps * 32, 0, stream>>>(x, y, rows, n, eps);
+  });
   CUDA_CHECK_LAUNCH();
 }
 
 inline void rmsnorm_backward(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, bool accumulate,
                              cudaStream_t stream, float eps = kRmsEps) {
   check_norm_width(n);
-  const int warps = 8;
-  rmsnorm_backward_kernel<<<(rows + warps - 1) / warps, warps * 32, 0, stream>>>(x, dy, dx, rows, n, eps, accumulate);
+  constexpr int warps = kNormThreads / 32;
+  with_norm_vectors(n, [&](auto vectors) {
+    constexpr int v = decltype(vectors)::value;
+    rmsnorm_backward_kernel<v><<<(rows + warps - 1) / warps, warps * 32, 0, stream>>>(x, dy, dx, rows, n, eps, accumulate);
+  });
   CUDA_CHECK_LAUNCH();
 }

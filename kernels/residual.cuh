@@ -14,11 +14,17 @@
 #include <stdexcept>
 #include <string>
 
-constexpr int kScalarReductionBlocks = 264;  // 2 per SM
+// The scalar reductions' grids, one partial sum a block: weighted_sum_backward's 256-thread blocks
+// (32 registers a thread) fill an SM with 8, so that enough loads are in flight for a streaming pass
+// (with 2 an SM, 16 warps, it reached 57% of the copy rate on the H200: docs/PERF.md, 2026-11-27);
+// mix_norm_backward's (128 registers a thread) fit 2 an SM.
+constexpr int kScalarReductionBlocks = 8 * 132;
+constexpr int kMixNormBackwardBlocks = 2 * 132;
+static_assert(kMixNormBackwardBlocks <= kScalarReductionBlocks, "the partials' scratch holds both grids'");
 // The scalar reductions' scratch: up to 3 sums' per-block partials.
 constexpr size_t kScalarReductionScratchFloats = 3 * kScalarReductionBlocks;
 
-// The scalar reductions' grid: 2 blocks per SM at the record's shapes, fewer where T x d is small
+// weighted_sum_backward's grid: 8 blocks per SM at the record's shapes, fewer where T x d is small
 // (a block per 2048 vectors of 8 at least), so that small problems do not launch idle blocks.
 inline int scalar_reduction_blocks(int T, int d) {
   const size_t vectors = size_t(T) * d / 8, per_block = 256 * 8;
@@ -64,6 +70,7 @@ inline void weighted_sum_forward(const bf16* x, const float* a, const bf16* y, c
 //   x_in    = prev + w skip             (U-net skip: when skip is not null; else x_in is read)
 //   x_mixed = l0 x_in + l1 x0           (the block lambdas)
 //   h       = rmsnorm(x_mixed)          (the attention's or, without attention, the MLP's input)
+template <int vectors>
 __global__ void mix_norm_forward_kernel(const bf16* prev, const bf16* skip, const float* w, bf16* x_in, const bf16* x0,
                                         const float* l0, const float* l1, bf16* x_mixed, bf16* h, int T, int d,
                                         float eps) {
@@ -71,9 +78,9 @@ __global__ void mix_norm_forward_kernel(const bf16* prev, const bf16* skip, cons
   if (row >= T) return;
   const size_t base = size_t(row) * d;
   const float skip_weight = skip ? *w : 0.0f, lambda0 = *l0, lambda1 = *l1;
-  float v[kMaxNormVectorsPerLane][8], ss = 0;
+  float v[vectors][8], ss = 0;
 #pragma unroll
-  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+  for (int k = 0; k < vectors; ++k) {
     const int col = (k * 32 + lane) * 8;
     if (col >= d) continue;
     float other[8];
@@ -94,7 +101,7 @@ __global__ void mix_norm_forward_kernel(const bf16* prev, const bf16* skip, cons
   }
   const float inv = rsqrtf(warp_sum(ss) / d + eps);
 #pragma unroll
-  for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+  for (int k = 0; k < vectors; ++k) {
     const int col = (k * 32 + lane) * 8;
     if (col >= d) continue;
     for (int i = 0; i < 8; ++i) v[k][i] *= inv;
@@ -109,8 +116,11 @@ inline void mix_norm_forward(const bf16* prev, const bf16* skip, const float* w,
   check_norm_width(d);
   if (!skip != !prev || !skip != !w) throw std::invalid_argument("mix_norm_forward: prev, skip and w go together");
   const int warps = 8;
-  mix_norm_forward_kernel<<<(T + warps - 1) / warps, warps * 32, 0, stream>>>(prev, skip, w, x_in, x0, l0, l1, x_mixed,
-                                                                             h, T, d, eps);
+  with_norm_vectors(d, [&](auto vectors) {
+    constexpr int v = decltype(vectors)::value;
+    mix_norm_forward_kernel<v><<<(T + warps - 1) / warps, warps * 32, 0, stream>>>(prev, skip, w, x_in, x0, l0, l1,
+                                                                                  x_mixed, h, T, d, eps);
+  });
   CUDA_CHECK_LAUNCH();
 }
 
@@ -212,6 +222,7 @@ inline void weighted_sum_backward(const bf16* dout, const bf16* x, const float* 
 //   dl0 += sum(g x_in), dl1 += sum(g x0), dx0 += l1 g, dx = l0 g
 //   with the skip: dw += sum(dx skip), dskip = w dx
 // Scalar sums: per-block partials (rows to warps fixed by the grid), then added in block order.
+template <int vectors>
 __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf16* dx, const bf16* x_in,
                                          const bf16* x0, const float* l0, const float* l1, bf16* dx0,
                                          const bf16* skip, const float* w, bf16* dskip, const bf16* dx_plus,
@@ -221,10 +232,10 @@ __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf
   float dot_in = 0, dot_x0 = 0, dot_skip = 0;
   for (int row = blockIdx.x * warps + threadIdx.x / 32; row < T; row += gridDim.x * warps) {
     const size_t base = size_t(row) * d;
-    float xv[kMaxNormVectorsPerLane][8], hv[kMaxNormVectorsPerLane][8], inv, mean_dot;
+    float xv[vectors][8], hv[vectors][8], inv, mean_dot;
     rmsnorm_backward_row(x_mixed + base, dh + base, d, eps, xv, hv, inv, mean_dot);
 #pragma unroll
-    for (int k = 0; k < kMaxNormVectorsPerLane; ++k) {
+    for (int k = 0; k < vectors; ++k) {
       const int col = (k * 32 + lane) * 8;
       if (col >= d) continue;
       float g[8], other[8];
@@ -289,9 +300,12 @@ inline void mix_norm_backward(const bf16* x_mixed, const bf16* dh, bf16* dx, con
     throw std::invalid_argument("mix_norm_backward: skip, w, dw and dskip go together");
   if (dx_plus && (dx_plus == dx || dx_plus == dx0))
     throw std::invalid_argument("mix_norm_backward: dx_plus may be dskip, not an output it would read as written");
-  const int warps = 8, blocks = std::min(kScalarReductionBlocks, (T + warps - 1) / warps);
-  mix_norm_backward_kernel<<<blocks, warps * 32, 0, stream>>>(x_mixed, dh, dx, x_in, x0, l0, l1, dx0, skip, w, dskip,
-                                                               dx_plus, scratch, T, d, eps);
+  const int warps = 8, blocks = std::min(kMixNormBackwardBlocks, (T + warps - 1) / warps);
+  with_norm_vectors(d, [&](auto vectors) {
+    constexpr int v = decltype(vectors)::value;
+    mix_norm_backward_kernel<v><<<blocks, warps * 32, 0, stream>>>(x_mixed, dh, dx, x_in, x0, l0, l1, dx0, skip, w,
+                                                                   dskip, dx_plus, scratch, T, d, eps);
+  });
   CUDA_CHECK_LAUNCH();
   add_scalar_gradients(scratch, blocks, dl0, dl1, dw, stream);
 }

@@ -148,8 +148,9 @@ TEST_CASE("matmul: forward (plain and onto a residual), input and weight gradien
   if (at_record_shapes("the record's qkv projection")) check_linear_layer(49152, 768, 2304, 48, 3);
 }
 
-TEST_CASE("rmsnorm forward and backward (accumulating), rows of 768 and 128") {
-  for (auto [rows, n] : std::vector<std::pair<int, int>>{{4096, 768}, {3000, 128}}) {
+TEST_CASE("rmsnorm forward and backward (accumulating), rows of 768, 128, 1024 and 392 (3, 1, 4, 2 vectors a lane)") {
+  for (auto [rows, n] : std::vector<std::pair<int, int>>{{4096, 768}, {3000, 128}, {1000, 1024}, {1000, 392}}) {
+    std::printf("  %d rows of %d\n", rows, n);
     std::vector<double> x = rounded_to_bf16(random_normal(size_t(rows) * n, 10 + n, 3.0));
     std::vector<double> dy = rounded_to_bf16(random_normal(x.size(), 11 + n));
     std::vector<double> prior = rounded_to_bf16(random_normal(x.size(), 12 + n));

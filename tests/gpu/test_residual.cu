@@ -259,6 +259,8 @@ TEST_CASE("a block's input in one pass: skip, lambda mix and RMS norm") {
   check_mix_norm(1000, 768, true, 40);
   check_mix_norm(1000, 768, false, 50);
   check_mix_norm(37, 200, true, 60);
+  check_mix_norm(300, 1024, true, 61);   // 4 vectors a lane
+  check_mix_norm(300, 392, false, 62);   // 2
   DeviceBuffer<bf16> x(768), y(768);
   DeviceBuffer<float> s(std::vector<float>{1.0f, 1.0f});
   CHECK_THROWS_WITH(mix_norm_forward(x.get(), nullptr, nullptr, x.get(), x.get(), s.get(), s.get(), y.get(), y.get(), 1,
@@ -270,6 +272,8 @@ TEST_CASE("the backward of a block's input in one pass, scalar gradients in a fi
   check_mix_norm_backward(1000, 768, true, 70);
   check_mix_norm_backward(1000, 768, false, 80);
   check_mix_norm_backward(37, 200, true, 90);
+  check_mix_norm_backward(300, 1024, true, 91);  // 4 vectors a lane
+  check_mix_norm_backward(300, 392, false, 92);  // 2
   check_mix_norm_backward(5000, 768, true, 100);  // more rows than the grid's warps
   // the gradient through a skip added as dx is written (it was a separate add_into pass)
   check_mix_norm_backward(1000, 768, false, 110, DxPlus::other);
