@@ -50,8 +50,8 @@ __device__ inline float row_sigmoid(const float4* sig, int vectors, int element)
 // slots), the second pass one (2^ for p) and is bound by its issue slots: so the first pass
 // evaluates 6 of each 8 logits' exp(z - cap) on the FMA pipe (exp2_fma, about 8 issue slots each)
 // and the second pass none (a model: docs/PERF.md, 2026-11-28 tenth session; bench_kernels times
-// other splits).
-constexpr int kCrossEntropyFmaExps = 6;
+// other splits of both passes: if the casts that end pass 2 share MUFU's rate, pass 2 wants some).
+constexpr int kCrossEntropyFmaExps = 6, kCrossEntropySecondPassFmaExps = 0;
 
 // logits [T, V] bf16, targets [T], losses [T] fp32; the gradient (when grad_scale > 0) to `store`.
 // z = cap sig <= cap, so exp(z - cap) never overflows and logsumexp needs no running maximum. Every
@@ -59,7 +59,7 @@ constexpr int kCrossEntropyFmaExps = 6;
 // and p s = exp(z - logsumexp) s = 2^(sig c1 - c1 - log2(sum) + log2(s)) with the gradient's
 // scale s = grad_scale cap / divisor folded in, c0 = -log2(e) / divisor, c1 = cap log2(e); all MUFU
 // operations flush subnormals (no sum here is near them; a gradient below 2^-126 becomes 0).
-template <class GradientStore, int fma_exps>
+template <class GradientStore, int fma_exps, int second_fma_exps>
 __global__ void __launch_bounds__(kCrossEntropyThreads)
 softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float* losses, int V, Softcap sc,
                              float grad_scale, GradientStore store) {
@@ -94,7 +94,8 @@ softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float*
     const float sig[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float p_scaled = ptx::exp2_ftz(fmaf(sig[j], c1, -shift)), dsig = fmaf(-sig[j], sig[j], sig[j]);
+      const float exponent = fmaf(sig[j], c1, -shift), dsig = fmaf(-sig[j], sig[j], sig[j]);
+      const float p_scaled = j < second_fma_exps ? exp2_fma(exponent) : ptx::exp2_ftz(exponent);
       g[j] = j == target_j ? fmaf(p_scaled, dsig, -scale * dsig) : p_scaled * dsig;  // (p - 1) s, rounded once
     }
   };
@@ -114,9 +115,10 @@ softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float*
 
 // Token losses of logits [T, V] and, unless grad_scale is 0, the gradient of their SUM (times
 // grad_scale) handed to `store`. The row read ends before any store, so a store may overwrite it.
-// fma_exps: of each 8 logits' exp(z - cap), how many the first pass evaluates on the FMA pipe (the
-// benchmark times other splits).
-template <int fma_exps = kCrossEntropyFmaExps, class GradientStore>
+// fma_exps, second_fma_exps: of each 8 logits' exponentials, how many each pass evaluates on the FMA
+// pipe (the benchmark times other splits).
+template <int fma_exps = kCrossEntropyFmaExps, int second_fma_exps = kCrossEntropySecondPassFmaExps,
+          class GradientStore>
 void softcap_cross_entropy(const bf16* logits, const uint16_t* targets, float* losses, int T, int V, float grad_scale,
                            GradientStore store, cudaStream_t stream, Softcap sc) {
   if (V % 8) throw std::invalid_argument("cross entropy: vocab " + std::to_string(V) + " is not a multiple of 8");
@@ -125,16 +127,22 @@ void softcap_cross_entropy(const bf16* logits, const uint16_t* targets, float* l
     throw std::invalid_argument("cross entropy: softcap " + std::to_string(sc.cap) + " is outside (0, 126 / log2(e)]");
   if (!(grad_scale >= 0))  // its log2 is folded into the gradient's exponent
     throw std::invalid_argument("cross entropy: gradient scale " + std::to_string(grad_scale) + " is not >= 0");
+  // pass 2's exponents lie in [log2(s) - cap log2(e) - log2(V), log2(s)], s = grad_scale cap / divisor
+  const double log2_scale = std::log2(double(grad_scale) * sc.cap * sc.inv_divisor);
+  if (second_fma_exps > 0 && grad_scale > 0 &&
+      !(log2_scale <= 127 && log2_scale - sc.cap * 1.4426950408889634 - std::log2(double(V)) >= -126))
+    throw std::invalid_argument("cross entropy: gradient scale " + std::to_string(grad_scale) +
+                                " puts pass 2's exponents outside exp2_fma's [-126, 127]");
   const size_t smem = size_t(V) * sizeof(float);
   if (smem + kBlockSumSharedBytes > kCrossEntropyMaxSharedBytes)
     throw std::invalid_argument("cross entropy: a row of vocab " + std::to_string(V) + " needs " +
                                 std::to_string(smem) + " bytes of shared memory for its fp32 sigmoids, more than " +
                                 std::to_string(kCrossEntropyMaxSharedBytes - kBlockSumSharedBytes) +
                                 " (Hopper's 227 KiB a block, less block_sum's)");
-  static_assert(0 <= fma_exps && fma_exps <= 8, "of 8 exponentials");
-  CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel<GradientStore, fma_exps>,
+  static_assert(0 <= fma_exps && fma_exps <= 8 && 0 <= second_fma_exps && second_fma_exps <= 8, "of 8 exponentials");
+  CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel<GradientStore, fma_exps, second_fma_exps>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  softcap_cross_entropy_kernel<GradientStore, fma_exps>
+  softcap_cross_entropy_kernel<GradientStore, fma_exps, second_fma_exps>
       <<<T, kCrossEntropyThreads, smem, stream>>>(logits, targets, losses, V, sc, grad_scale, store);
   CUDA_CHECK_LAUNCH();
 }

@@ -14,10 +14,11 @@
 #include <stdexcept>
 #include <string>
 
-// The scalar reductions' grids, one partial sum a block: weighted_sum_backward's 256-thread blocks
-// (32 registers a thread) fill an SM with 8, so that enough loads are in flight for a streaming pass
-// (with 2 an SM, 16 warps, it reached 57% of the copy rate on the H200: docs/PERF.md, 2026-11-27);
-// mix_norm_backward's (128 registers a thread) fit 2 an SM.
+// The scalar reductions' grids, one partial sum a block, sized for the 132 SMs of an H100 SXM or an
+// H200: weighted_sum_backward's 256-thread blocks (at most 32 registers a thread: its launch bounds)
+// fill an SM with 8, so that enough loads are in flight for a streaming pass (with 2 an SM, 16
+// warps, it reached 57% of the copy rate on the H200: docs/PERF.md, 2026-11-27); mix_norm_backward's
+// (128 registers a thread) fit 2 an SM.
 constexpr int kScalarReductionBlocks = 8 * 132;
 constexpr int kMixNormBackwardBlocks = 2 * 132;
 static_assert(kMixNormBackwardBlocks <= kScalarReductionBlocks, "the partials' scratch holds both grids'");
@@ -130,7 +131,7 @@ inline void mix_norm_forward(const bf16* prev, const bf16* skip, const float* w,
 //   partial[block], partial[blocks + block]  = this block's share of sum(dout x), sum(dout y)
 //                                             (x, y null: not needed, 0)
 // dx may alias dout (same element read, then written by the same thread).
-__global__ void weighted_sum_backward_kernel(const bf16* dout, const bf16* x, int x_stride, const float* a,
+__global__ void __launch_bounds__(256, 8) weighted_sum_backward_kernel(const bf16* dout, const bf16* x, int x_stride, const float* a,
                                              const bf16* y, const float* b, bf16* dx, bf16* dy, bool accumulate_dy,
                                              float* partial, int T, int d) {
   const int vectors_per_row = d / 8;
