@@ -824,6 +824,11 @@ struct Param {
   bool is_embedding() const { return kind == ParamKind::embed || kind == ParamKind::value_embed; }
 };
 
+inline bool is_muon_param(ParamKind kind) {
+  return kind == ParamKind::qkv || kind == ParamKind::attn_proj || kind == ParamKind::mlp_fc ||
+         kind == ParamKind::mlp_proj;
+}
+
 // The GPT::GradientsDone point after which p's gradient is complete in the last micro-sequence's
 // backward: a block's matrices after their block, lm_head after the head (num_layers), a
 // value-embedding table after the lowest block that reads it (its gradient is added where each
@@ -831,23 +836,16 @@ struct Param {
 // block touches) at the end (-1). The earlier a point, the more of the reduction hides under the
 // backward of the blocks below.
 inline int gradient_complete_after(const Param& p, const GPTConfig& c) {
-  switch (p.kind) {
-    case ParamKind::qkv:
-    case ParamKind::attn_proj:
-    case ParamKind::mlp_fc:
-    case ParamKind::mlp_proj: return p.layer;
-    case ParamKind::lm_head: return c.num_layers;
-    case ParamKind::value_embed: {
-      int point = -1;  // a table no block reads: the end
-      for (int i = 0; i < c.num_layers; ++i)
-        if (c.value_embed[i] == p.layer) {
-          point = i;  // the lowest reader
-          if (injected_fault() != Fault::value_embed_reduced_early) break;  // the oracle's bug: the highest
-        }
-      return point;
-    }
-    default: return -1;
-  }
+  if (is_muon_param(p.kind)) return p.layer;
+  if (p.kind == ParamKind::lm_head) return c.num_layers;
+  int point = -1;  // the end; for a value-embedding table, the lowest block that reads it
+  if (p.kind == ParamKind::value_embed)
+    for (int i = 0; i < c.num_layers; ++i)
+      if (c.value_embed[i] == p.layer) {
+        point = i;
+        if (injected_fault() != Fault::value_embed_reduced_early) break;  // the oracle's bug: the highest
+      }
+  return point;
 }
 
 // Module order (the reference's named_parameters order); storage groups Muon's shapes together.
@@ -1426,11 +1424,6 @@ class GPT {
 // normalisation, 1/M with M the global micro-sequence count (itself a SUM over ranks), happens in
 // the updates (SPEC 4.2). With W = 1 every collective is the identity and the rank owns everything.
 // ------------------------------------------------------------------------------------------------
-inline bool is_muon_param(ParamKind kind) {
-  return kind == ParamKind::qkv || kind == ParamKind::attn_proj || kind == ParamKind::mlp_fc ||
-         kind == ParamKind::mlp_proj;
-}
-
 inline ShardPlan shard_plan_of(const std::vector<Param>& list, int world_size) {
   std::vector<ParamInfo> infos;
   for (const Param& p : list)

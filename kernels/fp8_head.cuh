@@ -56,8 +56,9 @@ __device__ inline uint2 to_fp8_words(const float v[8], float inv_scale) {
   uint32_t word[2] = {0, 0};
 #pragma unroll
   for (int i = 0; i < 8; i += 2) {
-    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
-        make_float2(v[i] * inv_scale, v[i + 1] * inv_scale), __NV_SATFINITE, kind == Fp8Kind::e4m3 ? __NV_E4M3 : __NV_E5M2);
+    const __nv_fp8x2_storage_t pair =
+        __nv_cvt_float2_to_fp8x2(make_float2(v[i] * inv_scale, v[i + 1] * inv_scale), __NV_SATFINITE,
+                                 kind == Fp8Kind::e4m3 ? __NV_E4M3 : __NV_E5M2);
     word[i / 4] |= uint32_t(pair) << (8 * (i % 4));
   }
   return make_uint2(word[0], word[1]);

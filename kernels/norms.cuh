@@ -83,8 +83,8 @@ __device__ inline void rmsnorm_backward_row(const bf16* x, const bf16* dy, int n
 // dx[rows, n] (+)= d rmsnorm(x) / dx applied to dy: inv * dy - inv^3 * x * mean(x * dy)
 // 4 blocks an SM (64 registers a thread) where the row takes at most 3 vectors: no spill then
 template <int vectors>
-__global__ void __launch_bounds__(kNormThreads, vectors <= 3 ? 4 : 2) rmsnorm_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, float eps,
-                                        bool accumulate) {
+__global__ void __launch_bounds__(kNormThreads, vectors <= 3 ? 4 : 2)
+    rmsnorm_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, float eps, bool accumulate) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
   size_t base = size_t(row) * n;
@@ -123,7 +123,8 @@ inline void rmsnorm_backward(const bf16* x, const bf16* dy, bf16* dx, int rows, 
   constexpr int warps = kNormThreads / 32;
   with_norm_vectors(n, [&](auto vectors) {
     constexpr int v = decltype(vectors)::value;
-    rmsnorm_backward_kernel<v><<<(rows + warps - 1) / warps, warps * 32, 0, stream>>>(x, dy, dx, rows, n, eps, accumulate);
+    rmsnorm_backward_kernel<v>
+        <<<(rows + warps - 1) / warps, warps * 32, 0, stream>>>(x, dy, dx, rows, n, eps, accumulate);
   });
   CUDA_CHECK_LAUNCH();
 }

@@ -131,9 +131,9 @@ inline void mix_norm_forward(const bf16* prev, const bf16* skip, const float* w,
 //   partial[block], partial[blocks + block]  = this block's share of sum(dout x), sum(dout y)
 //                                             (x, y null: not needed, 0)
 // dx may alias dout (same element read, then written by the same thread).
-__global__ void __launch_bounds__(256, 8) weighted_sum_backward_kernel(const bf16* dout, const bf16* x, int x_stride, const float* a,
-                                             const bf16* y, const float* b, bf16* dx, bf16* dy, bool accumulate_dy,
-                                             float* partial, int T, int d) {
+__global__ void __launch_bounds__(256, 8)
+    weighted_sum_backward_kernel(const bf16* dout, const bf16* x, int x_stride, const float* a, const bf16* y,
+                                 const float* b, bf16* dx, bf16* dy, bool accumulate_dy, float* partial, int T, int d) {
   const int vectors_per_row = d / 8;
   const float alpha = a ? *a : 1.0f, beta = !dy ? 0.0f : b ? *b : 1.0f;
   float dot_x = 0, dot_y = 0;
