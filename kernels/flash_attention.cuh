@@ -853,6 +853,18 @@ __device__ inline void release_dq_turn(int* counter) {
   }
 }
 
+// Writes the warp's 16 keys x 64 queries of dS^T (its A fragments, pack_a_fragments) into the
+// [64 queries][128 keys] dS tile, transposed by stmatrix: fragment kk's four 8 x 8 matrices are
+// queries 16 kk .. + 7 and 16 kk + 8 .. + 15, each of keys 16 warp .. + 7 and 16 warp + 8 .. + 15,
+// so lane 8 m + i gives the row of query 16 kk + 8 (m / 2) + i from key 16 warp + 8 (m % 2).
+__device__ inline void store_ds_transposed(bf16* ds_tile, const uint32_t (&ds)[kDsRows / 16][4], int warp) {
+  const int m = threadIdx.x % 32 / 8, i = threadIdx.x % 8;
+#pragma unroll
+  for (int kk = 0; kk < kDsRows / 16; ++kk)
+    ptx::stmatrix_x4_trans(ds_tile + swizzled<kDsRows>(16 * kk + 8 * (m / 2) + i, 16 * warp + 8 * (m % 2)),
+                           ds[kk][0], ds[kk][1], ds[kk][2], ds[kk][3]);
+}
+
 // Per (kv block, head): dv = sum_q P^T dy and dk = scale sum_q dS^T Q over the query blocks that
 // list this kv block, 64 queries at a time; the warps own 16 keys each, so scores are transposed.
 // With fused_dq (the fused backward) the same dS also gives dq: each 64-query half of dS goes to
@@ -929,18 +941,16 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
       wgmma_wait_all(st, dpt);
       softmax_backward(st, dpt, q_lse, q_delta, masked, q0, k0, q_start,
                        [&](int n, int e) { return half * kQueries + fragment_col(n, e); }, key_of);
+      wgmma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);  // under the barrier and the dS stores
+      uint32_t ds[kQueries / 16][4];  // dS^T in bf16: dK's A fragments, and (fused) the dS tile's values
+      pack_a_fragments(ds, dpt);
       if constexpr (fused_dq) {
         __syncthreads();  // both warpgroups' dq products of the previous half are done with the dS tile
         release_dq_turn(pending_turn);  // the previous half's sums are in (that barrier)
         pending_turn = nullptr;
-#pragma unroll
-        for (int n = 0; n < N; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            ds_tile[swizzled<kDsRows>(fragment_col(n, e), key_of(n, e))] = __float2bfloat16(dpt[n][e]);
+        store_ds_transposed(ds_tile, ds, warp);
       }
-      wgmma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);
-      wgmma_p_b<kQueries / 16>(dk_acc, dpt, q_tile, half * kQueries);
+      wgmma_p_b<kQueries / 16>(dk_acc, ds, q_tile, half * kQueries);
       if constexpr (fused_dq) {
         ptx::fence_proxy_async_shared();
         __syncthreads();  // the whole dS half is in

@@ -1,5 +1,5 @@
-// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, ex2, rcp, and sm_90a's wgmma,
-// mbarriers, TMA copies, named barriers and register reallocation).
+// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, ex2, rcp, stmatrix, and sm_90a's
+// wgmma, mbarriers, TMA copies, named barriers and register reallocation).
 // Kept apart so that the CPU emulator of the tests (tests/emulator/ptx.cuh) can give each one its
 // documented meaning while the kernels around them run unchanged.
 #pragma once
@@ -130,6 +130,18 @@ __device__ inline void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a
                "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
                : PTX_M64N128_ACCUMULATOR(d)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(trans_b));
+}
+
+// ---- stmatrix (sm_90): a warp's 8 x 8 matrices of 16-bit values from registers to shared memory ----
+
+// Four 8 x 8 matrices held as mma fragments (register m of lane 4 r + c / 2 holds elements (r, c)
+// and (r, c + 1) of matrix m, c even, the lower column in the low half), stored transposed: element
+// (r, c) of matrix m becomes element r of the 16-byte row whose shared address lane 8 m + c gives
+// (16-byte aligned). One instruction for the warp's 256 values, where scalar stores take 32 a lane.
+__device__ inline void stmatrix_x4_trans(void* row, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_address(row)),
+               "r"(m0), "r"(m1), "r"(m2), "r"(m3)
+               : "memory");
 }
 
 // ---- The warp-specialised kernels (sm_90a): mbarriers, TMA copies, named barriers, registers ----

@@ -198,7 +198,45 @@ __global__ void wgmma_products_kernel(const bf16* a, const bf16* b, const bf16* 
     }
 }
 
+// The fused backward's dS tile written as it writes it: each warp's 16 keys x 64 queries of dS^T as
+// A fragments (pack_a_fragments), transposed into the [64 queries][128 keys] tile by stmatrix
+// (store_ds_transposed), read back element by element. Values are small integers (exact in bf16),
+// so every element must land exactly where swizzled<64>(query, key) says.
+__host__ __device__ float ds_test_value(int query, int key) { return float((query * 131 + key * 7) % 255 - 127); }
+
+__global__ void store_ds_transposed_kernel(float* out) {
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* ds_tile = flash::align_to_swizzle_atom(shared_tiles);
+  const int warp = threadIdx.x / 32;
+  float dst[flash::kDsRows / 8][4];  // [16 keys of this warp][64 queries]
+  for (int n = 0; n < flash::kDsRows / 8; ++n)
+    for (int e = 0; e < 4; ++e) dst[n][e] = ds_test_value(flash::fragment_col(n, e), warp * 16 + flash::fragment_row(e));
+  uint32_t ds[flash::kDsRows / 16][4];
+  flash::pack_a_fragments(ds, dst);
+  flash::store_ds_transposed(ds_tile, ds, warp);
+  __syncthreads();
+  for (int i = threadIdx.x; i < flash::kDsRows * flash::kTile; i += blockDim.x)
+    out[i] = __bfloat162float(ds_tile[wgmma_tiles::swizzled<flash::kDsRows>(i / flash::kTile, i % flash::kTile)]);
+}
+
 }  // namespace
+
+TEST_CASE("the fused backward's dS tile: stmatrix's transposed stores put every element where the tile's layout says") {
+  constexpr int queries = flash::kDsRows, keys = flash::kTile;
+  DeviceBuffer<float> out(queries * keys);
+  out.poison();
+  const size_t smem = queries * keys * sizeof(bf16) + flash::kSwizzleAtomBytes;
+  flash::set_shared_memory(store_ds_transposed_kernel, smem);
+  store_ds_transposed_kernel<<<1, flash::kThreads, smem>>>(out.get());
+  CUDA_CHECK_LAUNCH();
+  const std::vector<float> got = out.download();
+  int wrong = 0;
+  for (int q = 0; q < queries; ++q)
+    for (int k = 0; k < keys; ++k)
+      if (got[q * keys + k] != ds_test_value(q, k) && wrong++ < 5)
+        std::printf("dS tile (query %d, key %d): %g, want %g\n", q, k, got[q * keys + k], ds_test_value(q, k));
+  CHECK(wrong == 0);
+}
 
 TEST_CASE("the flash kernels' wgmma products of swizzled tiles: S = A B^T (128 and 64 columns), O = bf16(S) V") {
   constexpr int n = flash::kTile;
