@@ -861,7 +861,7 @@ __device__ inline void store_ds_transposed(bf16* ds_tile, const uint32_t (&ds)[k
   const int m = threadIdx.x % 32 / 8, i = threadIdx.x % 8;
 #pragma unroll
   for (int kk = 0; kk < kDsRows / 16; ++kk)
-    ptx::stmatrix_x4_trans(ds_tile + swizzled<kDsRows>(16 * kk + 8 * (m / 2) + i, 16 * warp + 8 * (m % 2)),
+    ptx::stmatrix_x4</*trans=*/true>(ds_tile + swizzled<kDsRows>(16 * kk + 8 * (m / 2) + i, 16 * warp + 8 * (m % 2)),
                            ds[kk][0], ds[kk][1], ds[kk][2], ds[kk][3]);
 }
 

@@ -13,9 +13,11 @@
 // released as soon as the next stage's products are issued and the previous ones done. The grid is persistent
 // (one CTA per SM); tiles go N fastest, so the CTAs at work at once share A's 128-row block in L2
 // (B, a weight, stays in L2 whole), and the producer fills the next tile's stages while the
-// consumers run the epilogue. The epilogue stages C's tile in shared memory and TMA stores write it
-// out (as CUTLASS's Hopper epilogues do): the stores drain while the consumers go on to the next
-// tile's products, where 4-byte stores straight from the accumulators (64 a thread) would hold them.
+// consumers run the epilogue. The epilogue stages C's tile in shared memory (stmatrix: 16 stores a
+// thread where 4-byte ones take 64) and TMA stores write it out (as CUTLASS's Hopper epilogues do):
+// the stores drain while the consumers go on to the next tile's products, where 4-byte stores
+// straight from the accumulators to global memory would hold them. What an epilogue reads besides
+// (ReLU²'s backward its a, the qkv epilogue ve or the rope table) is asked of L2 at the tile's start.
 #pragma once
 #include "kernels/device_utils.cuh"
 #include "kernels/host/cuda_check.cuh"
@@ -49,30 +51,44 @@ enum class BLayout { k_major, n_major };
 struct TileOutput {
   bf16* staging;
   int row0, col0, N;
-  // The bf16 pair at C (row0 + row, col0 + col): row in [0, 64), col even in [0, 256).
-  __device__ void put(int row, int col, uint32_t pair) const {
-    *reinterpret_cast<uint32_t*>(staging + swizzled<kOutputRows>(row, col)) = pair;
-  }
   __device__ size_t index(int row, int col) const { return size_t(row0 + row) * N + col0 + col; }
 };
 
+// Asks L2 for the warpgroup's part of a [M, N] bf16 matrix that an epilogue reads (64 rows of 512
+// bytes, 2 lines of 128 bytes a thread), at the tile's start: by the epilogue, a mainloop later, it
+// is there instead of a DRAM round trip away with the tensor cores idle.
+__device__ inline void prefetch_part(const bf16* matrix, const TileOutput& out) {
+  const int row = threadIdx.x % 128 / 2, first_col = threadIdx.x % 2 * 128;
+  for (int col = first_col; col < first_col + 128; col += 64) ptx::prefetch_l2(matrix + out.index(row, col));
+}
+
 // Epilogues: `store` puts a consumer thread's part of the output tile from its accumulators:
 // acc[n][e] holds element (warpgroup_fragment_row(e), fragment_col(n, e)) of its warpgroup's part.
-// check(): the host's refusals of what an epilogue's own operands would fault on.
+// `prefetch` (at the tile's start) asks L2 for what `store` will read. check(): the host's refusals
+// of what an epilogue's own operands would fault on.
 //
-// The elementwise ones (Derived maps x0, x1 to the bf16 pair C[index], C[index + 1]):
+// The elementwise ones (Derived maps x0, x1 to the bf16 pair C[index], C[index + 1]), staged by
+// stmatrix: n-tiles n and n + 1 of the warp's 16 rows are four 8 x 8 matrices (rows 0-7 and 8-15 of
+// each), so lane 8 m + i gives the staged row 8 (m % 2) + i from column 8 (n + m / 2).
 template <typename Derived>
 struct Elementwise {
   void check() const {}
+  __device__ void prefetch(const TileOutput&) const {}
   __device__ void store(const float (&acc)[kTileCols / 8][4], const TileOutput& out) const {
+    const Derived& pair_of = static_cast<const Derived&>(*this);
+    const int m = threadIdx.x % 32 / 8, staged_row = threadIdx.x / 32 % 4 * 16 + 8 * (m % 2) + threadIdx.x % 8;
 #pragma unroll
-    for (int n = 0; n < kTileCols / 8; ++n)
+    for (int n = 0; n < kTileCols / 8; n += 2) {
+      uint32_t pairs[4];  // matrices (n, rows 0-7), (n, rows 8-15), (n + 1, rows 0-7), (n + 1, rows 8-15)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = warpgroup_fragment_row(2 * half), col = fragment_col(n, 0);
-        const Derived& pair_of = static_cast<const Derived&>(*this);
-        out.put(row, col, pair_of(acc[n][2 * half], acc[n][2 * half + 1], out.index(row, col)));
+      for (int j = 0; j < 4; ++j) {
+        const int tile_n = n + j / 2, half = j % 2;
+        const int row = warpgroup_fragment_row(2 * half), col = fragment_col(tile_n, 0);
+        pairs[j] = pair_of(acc[tile_n][2 * half], acc[tile_n][2 * half + 1], out.index(row, col));
       }
+      ptx::stmatrix_x4</*trans=*/false>(out.staging + swizzled<kOutputRows>(staged_row, 8 * (n + m / 2)), pairs[0],
+                                        pairs[1], pairs[2], pairs[3]);
+    }
   }
 };
 struct Identity : Elementwise<Identity> {
@@ -91,6 +107,7 @@ struct ReluSquaredBackward : Elementwise<ReluSquaredBackward> {  // du = da 2 re
     if (reinterpret_cast<uintptr_t>(a) % 4)
       throw std::invalid_argument("gemm with epilogue: ReLU²'s backward reads a, which must start 4-byte aligned");
   }
+  __device__ void prefetch(const TileOutput& out) const { prefetch_part(a, out); }
   __device__ uint32_t operator()(float da0, float da1, size_t index) const {
     const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(a + index);
     return pack_bf16(da0 * 2 * sqrtf(__low2float(pair)), da1 * 2 * sqrtf(__high2float(pair)));
@@ -140,6 +157,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   bf16* staging = a_tile(kStages) + consumer * kOutputRows * kTileCols;
   uint32_t use = 0;
   for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
+    const TileOutput out{staging, tile / tiles_n * kTileRows + consumer * kOutputRows, tile % tiles_n * kTileCols, N};
+    epilogue.prefetch(out);
     float acc[kTileCols / 8][4];
     for (int kb = 0; kb < k_blocks; ++kb, ++use) {
       const StageUse u = stage_use<kStages>(use);
@@ -171,13 +190,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // the warpgroup's part of the tile into its staging, once the previous tile's stores have read it
     if (leader) ptx::bulk_wait_group_read<0>();
     ptx::named_barrier_sync(1 + consumer, 128);
-    const int row0 = tile / tiles_n * kTileRows + consumer * kOutputRows, col0 = tile % tiles_n * kTileCols;
-    epilogue.store(acc, TileOutput{staging, row0, col0, N});
+    epilogue.store(acc, out);
     ptx::fence_proxy_async_shared();  // the staged tile visible to the TMA stores
     ptx::named_barrier_sync(1 + consumer, 128);
     if (leader) {
       for (int box = 0; box < kTileCols / kOutputBoxCols; ++box)
-        ptx::tma_store_2d(&c_map, col0 + box * kOutputBoxCols, row0, staging + box * kOutputRows * kOutputBoxCols);
+        ptx::tma_store_2d(&c_map, out.col0 + box * kOutputBoxCols, out.row0,
+                          staging + box * kOutputRows * kOutputBoxCols);
       ptx::bulk_commit_group();
     }
   }

@@ -135,13 +135,20 @@ __device__ inline void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a
 // ---- stmatrix (sm_90): a warp's 8 x 8 matrices of 16-bit values from registers to shared memory ----
 
 // Four 8 x 8 matrices held as mma fragments (register m of lane 4 r + c / 2 holds elements (r, c)
-// and (r, c + 1) of matrix m, c even, the lower column in the low half), stored transposed: element
-// (r, c) of matrix m becomes element r of the 16-byte row whose shared address lane 8 m + c gives
-// (16-byte aligned). One instruction for the warp's 256 values, where scalar stores take 32 a lane.
-__device__ inline void stmatrix_x4_trans(void* row, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_address(row)),
-               "r"(m0), "r"(m1), "r"(m2), "r"(m3)
-               : "memory");
+// and (r, c + 1) of matrix m, c even, the lower column in the low half) into 16-byte rows of
+// shared memory (16-byte aligned): row i of matrix m at the address lane 8 m + i gives. Without
+// `trans` row i holds the matrix's row i; with it, its column i (the matrix stored transposed). One
+// instruction for the warp's 256 values, where 4-byte stores take 4 a lane and 2-byte ones 8.
+template <bool trans>
+__device__ inline void stmatrix_x4(void* row, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  if constexpr (trans)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_address(row)),
+                 "r"(m0), "r"(m1), "r"(m2), "r"(m3)
+                 : "memory");
+  else
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_address(row)),
+                 "r"(m0), "r"(m1), "r"(m2), "r"(m3)
+                 : "memory");
 }
 
 // ---- The warp-specialised kernels (sm_90a): mbarriers, TMA copies, named barriers, registers ----

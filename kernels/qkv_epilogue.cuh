@@ -40,6 +40,18 @@ struct QkvEpilogue {
       throw std::invalid_argument("qkv with its epilogue: the rope table must start 16-byte aligned");
   }
 
+  // At the tile's start: the rows of ve a v tile mixes in, or the rope table's rotated half of the
+  // rows a q or k tile turns (256 bytes of each, 2 threads a row).
+  __device__ void prefetch(const gemm_epilogue::TileOutput& out) const {
+    const int which = out.col0 / d;
+    if (which == 2) {
+      if (ve) gemm_epilogue::prefetch_part(ve, gemm_epilogue::TileOutput{nullptr, out.row0, out.col0 - 2 * d, d});
+      return;
+    }
+    const int row = threadIdx.x % 128 / 2;
+    ptx::prefetch_l2(cos_sin + size_t(out.row0 + row) * kRopeHeadDim + threadIdx.x % 2 * 32);
+  }
+
   __device__ void store(float (&acc)[gemm_epilogue::kTileCols / 8][4], const gemm_epilogue::TileOutput& out) const {
     constexpr int kN = gemm_epilogue::kTileCols / 8, kHeadN = kRopeHeadDim / 8;  // n-tiles: the tile's, a head's
     const int which = out.col0 / d, out_col0 = out.col0 - which * d;            // q 0, k 1, v 2

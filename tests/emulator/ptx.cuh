@@ -187,17 +187,22 @@ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t des
   ::emu::wgmma_issue([&d, rows, desc_b, accumulate] { wgmma_product_into<trans_b>(d, rows, desc_b, accumulate); });
 }
 
-// stmatrix.sync.aligned.m8n8.x4.trans.shared.b16: the lanes meet; lane 8 m + c writes row c of
-// matrix m, element r of it from lane 4 r + c / 2's register m (its half c % 2).
-inline void stmatrix_x4_trans(void* row, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+// stmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: the lanes meet; lane 8 m + i writes row i of
+// matrix m: element j of it is element (i, j) of the fragment, or with .trans (j, i), where element
+// (r, c) is lane 4 r + c / 2's register m, its half c % 2.
+template <bool trans>
+void stmatrix_x4(void* row, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
   require_aligned(row, "stmatrix row address");
   shared_address(row);  // aborts unless the row is in shared memory
   const uint32_t mine[4] = {m0, m1, m2, m3};
   uint32_t all[32][4];
-  ::emu::warp_exchange("stmatrix.x4.trans", mine, all, sizeof mine);
-  const int lane = linear_thread() % 32, m = lane / 8, c = lane % 8;
+  ::emu::warp_exchange(trans ? "stmatrix.x4.trans" : "stmatrix.x4", mine, all, sizeof mine);
+  const int lane = linear_thread() % 32, m = lane / 8, i = lane % 8;
   uint16_t values[8];
-  for (int r = 0; r < 8; ++r) values[r] = uint16_t(all[4 * r + c / 2][m] >> (16 * (c % 2)));
+  for (int j = 0; j < 8; ++j) {
+    const int r = trans ? j : i, c = trans ? i : j;
+    values[j] = uint16_t(all[4 * r + c / 2][m] >> (16 * (c % 2)));
+  }
   std::memcpy(row, values, sizeof values);
 }
 
