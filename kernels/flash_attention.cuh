@@ -212,12 +212,20 @@ struct RowBounds {
   __device__ bool allows(int col) const { return col >= first && col <= last; }
 };
 
+// The running maximum a softmax subtracts moves only when some row of the warp has found one more
+// than kStaleMaxLog2 above it (base 2; FlashAttention-4's lazy rescaling): until then P = 2^(scale s -
+// max) stays at most 2^8, harmless in fp32 sums and bf16 products, and the output accumulated so far
+// keeps its scale, so its rescaling (a multiply an accumulator, the tensor cores waiting) is skipped.
+// The row's sum and lse use the same maximum: the same mathematics, other roundings.
+constexpr float kStaleMaxLog2 = 8.0f;
+
 // One kv block's step of the online softmax on a warp's 16 rows: the scores s of kv block k0
-// become P = exp2(scale s - running max) (0 where masked), row_max (scaled, base 2) and row_sum
-// move on, and `correction` is what the output accumulated so far must be scaled by. row0: the
-// thread's first row in the query tile (the other is row0 + 8), row_start: their document starts.
-// The maximum is taken on the raw scores (the scale is positive), so each P is one FFMA and one ex2.
-__device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)[2], float (&row_sum)[2],
+// become P = exp2(scale s - running max) (0 where masked) and row_sum moves on. Returns whether
+// row_max (scaled, base 2) moved, for every row of the warp alike; then `correction` is what the
+// output accumulated so far must be scaled by (rescale). row0: the thread's first row in the
+// query tile (the other is row0 + 8), row_start: their document starts. The maximum is taken on
+// the raw scores (the scale is positive), so each P is one FFMA and one ex2.
+__device__ inline bool online_softmax(float (&s)[kTile / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                       float (&correction)[2], bool masked, int q0, int k0, int row0,
                                       const int32_t (&row_start)[2]) {
   constexpr int N = kTile / 8;
@@ -234,14 +242,24 @@ __device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)
   for (int n = 0; n < N; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+  float scaled_max[2];
+  bool far_above = false;  // -inf + 8 is -inf: a row's first allowed scores move it
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    scaled_max[r] = quad_max(tile_max[r]) * kScaleLog2;
+    far_above |= scaled_max[r] > row_max[r] + kStaleMaxLog2;
+  }
+  const bool moved = __any_sync(0xffffffffu, far_above);
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float new_max = fmaxf(row_max[r], quad_max(tile_max[r]) * kScaleLog2);
-    base[r] = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing allowed yet stays at zero
-    correction[r] = ptx::exp2_ftz(row_max[r] - base[r]);
-    row_max[r] = new_max;
-    row_sum[r] *= correction[r];
+    if (moved) {
+      const float new_max = fmaxf(row_max[r], scaled_max[r]);
+      correction[r] = ptx::exp2_ftz(row_max[r] - (new_max == -INFINITY ? 0.0f : new_max));
+      row_max[r] = new_max;
+      row_sum[r] *= correction[r];
+    }
+    base[r] = row_max[r] == -INFINITY ? 0.0f : row_max[r];  // a row with nothing allowed yet stays at zero
   }
 #pragma unroll
   for (int n = 0; n < N; ++n)
@@ -250,6 +268,7 @@ __device__ inline void online_softmax(float (&s)[kTile / 8][4], float (&row_max)
       s[n][e] = ptx::exp2_ftz(fmaf(s[n][e], kScaleLog2, -base[e / 2]));
       row_sum[e / 2] += s[n][e];
     }
+  return moved;
 }
 
 // The persistent grid's item of round r for this CTA, or -1: round r's gridDim.x items go to the
@@ -322,11 +341,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
     auto load_v = [&](int j) { load_v_tile(v_tile(j), v, a, h, k0_of(qb, j)); };
     float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0}, correction[2];
     zero(o);
-    auto softmax_of_block = [&](float (&s)[N][4], int j) {
+    auto softmax_of_block = [&](float (&s)[N][4], int j) {  // whether o must be rescaled
       const int k0 = k0_of(qb, j), row0 = warp * 16 + fragment_row(0);
       const int32_t row_start[2] = {q_start[row0], q_start[row0 + 8]};
-      online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, q_start[kTile - 1]), q0, k0, row0,
-                     row_start);
+      return online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, q_start[kTile - 1]), q0, k0,
+                            row0, row_start);
     };
     if (count > 0) {
       load_v(0);
@@ -350,9 +369,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const 
         wgmma_p_b(o, p, v_tile(j), 0);
         ptx::wgmma_wait<1>();  // the scores; P(j) V(j) runs on beside the softmax
         fence_registers(s);
-        softmax_of_block(s, j + 1);
+        const bool moved = softmax_of_block(s, j + 1);
         wgmma_wait_all(o, p);
-        rescale(o, correction);
+        if (moved) rescale(o, correction);
       }
       wait_tiles();  // V(count - 1) is in; every warp is done with Q, the starts and both K tiles
       load_next();
@@ -444,9 +463,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int32_t last_start = m.doc_start[q0 + kTile - 1];
     float o[kAttentionHeadDim / 8][4], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0, 0}, correction[2];
     zero(o);
-    auto softmax_of_block = [&](float (&s)[N][4], int j) {
+    auto softmax_of_block = [&](float (&s)[N][4], int j) {  // whether o must be rescaled
       const int k0 = k0_of(qb, j);
-      online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, last_start), q0, k0, row0, row_start);
+      return online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, last_start), q0, k0, row0,
+                            row_start);
     };
     mbarrier_wait(q_full, r % 2);
     if (count > 0) {
@@ -474,10 +494,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         fence_registers(s);
         release_stage(k_empty + next.stage);
         if (j + 2 == count) release_stage(q_empty);  // that was the item's last Q K^T
-        softmax_of_block(s, j + 1);
+        const bool moved = softmax_of_block(s, j + 1);
         wgmma_wait_all(o, p);
         release_stage(v_empty + now.stage);
-        rescale(o, correction);
+        if (moved) rescale(o, correction);
       }
       const StageUse last = stage_use<kStages>(use + count - 1);
       mbarrier_wait(v_full + last.stage, last.parity);

@@ -286,6 +286,14 @@ template <typename T>
 T __shfl_sync(unsigned, T v, int src_lane, int = 32) {
   return ::emu::shuffle(v, src_lane);
 }
+inline int __any_sync(unsigned, int predicate) {  // vote.any over the whole warp
+  const int mine = predicate != 0;
+  int all[32];
+  ::emu::warp_exchange("vote.any", &mine, all, sizeof mine);
+  for (int lane : all)
+    if (lane) return 1;
+  return 0;
+}
 
 // Integer atomics: the builtins also order kernels of concurrent
 // host threads (simulated ranks) that share a counter.
