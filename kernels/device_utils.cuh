@@ -84,6 +84,12 @@ __device__ inline void load8(const float* p, float out[8]) {
   out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
 }
 
+// Eight fp32 in two 16-byte stores (p 16-byte aligned).
+__device__ inline void store8(float* p, const float in[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
+}
+
 // Rounded to nearest even two at a time (cvt.rn.bf16x2.f32: the same bits as one at a time, half
 // the conversions).
 __device__ inline void store8(bf16* p, const float in[8]) {

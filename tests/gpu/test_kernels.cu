@@ -363,6 +363,25 @@ TEST_CASE("adam on a flat slice: fp32 and bf16 (embedding) states, grad scale 1/
   std::vector<double> pb_gpu = to_double(bp.download()), mb_gpu = to_double(bm.download());
   CHECK_REL_ERROR(pb_gpu, pb, kBf16Bound);
   CHECK_REL_ERROR(mb_gpu, mb, kBf16Bound);
+  // Slices as a rank's share may be: from an element off 16 bytes (one element a thread), and from
+  // an aligned one with a tail of 5 past the last 8 (eight a thread, then the tail); the elements
+  // outside the slice untouched.
+  for (int64_t first : {int64_t(3), int64_t(8)}) {
+    const int64_t count = n - first - 5;
+    DeviceBuffer<float> sp(pf), sm(mf), sv(vf), sg(gf);
+    adam_update(sp.get() + first, sg.get() + first, sm.get() + first, sv.get() + first, count, step, 0);
+    std::vector<double> sp_ref(pf.begin(), pf.end()), sm_ref(mf.begin(), mf.end()), sv_ref(vf.begin(), vf.end());
+    adam_update(sp_ref.data() + first, g_ref.data() + first, sm_ref.data() + first, sv_ref.data() + first, count,
+                step.lr, step.t, cfg);
+    const std::vector<float> sp_gpu = sp.download();
+    std::printf("  slice from element %lld, %lld elements\n", (long long)first, (long long)count);
+    CHECK_REL_ERROR(to_double(sp_gpu), sp_ref, kFp32Bound);
+    CHECK_REL_ERROR(to_double(sm.download()), sm_ref, kFp32Bound);
+    bool outside_untouched = true;
+    for (int64_t i = 0; i < n; ++i)
+      if ((i < first || i >= first + count) && sp_gpu[i] != pf[i]) outside_untouched = false;
+    CHECK(outside_untouched);
+  }
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }
