@@ -1,6 +1,7 @@
 // Muon on the GPU (kernels/muon.cuh) against the CPU reference's muon_update (double) on fresh
 // random gradients and momentum: wide, tall and batched matrices (Newton-Schulz batched through
-// cuBLASLt's strided batches, as over a shape group), one at 768 x 768; and the Frobenius norms its
+// cuBLASLt's strided batches, as over a shape group; a batch past one launch of the elementwise
+// passes), one at 768 x 768; and the Frobenius norms its
 // iteration starts from (kernels/device_utils.cuh) against double sums.
 // Bounds: the momentum buffer is fp32 arithmetic (1e-5); the parameter change goes through five
 // bf16 Newton-Schulz steps (each rounds A, B and X to bf16): 3e-2 on the change; a norm is fp32 sums
@@ -86,6 +87,7 @@ TEST_CASE("muon update: momentum, Nesterov, Newton-Schulz in bf16, shape scale; 
   check_muon(3, 256, 256, 3);   // batched like qkv_w [3, d, d]
   check_muon(5, 384, 128, 5);   // a batch of tall matrices, like a shape group of c_fc
   check_muon(1, 768, 768, 4);   // a record matrix (the CPU reference's NS5 at 3072 x 768 takes minutes)
+  check_muon(kMaxMuonLaunch + 6, 16, 8, 6);  // more than one launch of the elementwise passes holds
   DeviceBuffer<float> p(15), g(15), momentum(15);
   MuonWorkspace ws(15);
   Matmul matmul;
