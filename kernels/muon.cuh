@@ -73,24 +73,48 @@ struct MuonLaunch {
   MuonMatrix matrices[kMaxMuonLaunch];
 };
 
-// Matrix blockIdx.y of the launch: buf = m buf + (1 - m) g s; x = (1 - m) g s + m buf in bf16,
-// transposed into [cols, rows] when `transpose`; x: the launch's first matrix's [rows, cols].
-__global__ void muon_momentum_kernel(const __grid_constant__ MuonLaunch launch, bf16* x, int rows, int cols,
-                                     bool transpose, float momentum, float grad_scale) {
+// Matrix blockIdx.y of the launch: buf = m buf + (1 - m) g s; x = (1 - m) g s + m buf in bf16;
+// x: the launch's first matrix's [rows, cols] (a wide or square matrix, iterated as it is).
+__global__ void muon_momentum_kernel(const __grid_constant__ MuonLaunch launch, bf16* x, size_t n, float momentum,
+                                     float grad_scale) {
   const MuonMatrix& m = launch.matrices[blockIdx.y];
-  const size_t n = size_t(rows) * cols, first = blockIdx.x * size_t(blockDim.x) + threadIdx.x,
-               stride = size_t(gridDim.x) * blockDim.x;
   x += blockIdx.y * n;
-  auto step = [&](size_t i, size_t at) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float grad = m.g[i] * grad_scale;
     const float b = momentum * m.momentum[i] + (1 - momentum) * grad;
     m.momentum[i] = b;
-    x[at] = __float2bfloat16((1 - momentum) * grad + momentum * b);
-  };
-  if (transpose)
-    for (size_t i = first; i < n; i += stride) step(i, i % cols * rows + i / cols);
-  else
-    for (size_t i = first; i < n; i += stride) step(i, i);
+    x[i] = __float2bfloat16((1 - momentum) * grad + momentum * b);
+  }
+}
+
+// A tall matrix is iterated as its transpose: its passes go through 32 x 32 tiles in shared memory
+// (padded against bank conflicts), so that both the matrix's rows and x's are read and written
+// whole, not one 2-byte element a 32-byte sector. Blocks of 32 x 8 threads, a tile a block a turn.
+constexpr int kMuonTile = 32, kMuonTileThreads = kMuonTile * 8;
+__host__ __device__ inline int muon_tiles(int rows, int cols) { return ((rows + kMuonTile - 1) / kMuonTile) * ((cols + kMuonTile - 1) / kMuonTile); }
+
+// The momentum pass of a tall matrix [rows, cols]: x stored [cols, rows].
+__global__ void __launch_bounds__(kMuonTileThreads) muon_momentum_transposed_kernel(
+    const __grid_constant__ MuonLaunch launch, bf16* x, int rows, int cols, float momentum, float grad_scale) {
+  __shared__ float tile[kMuonTile][kMuonTile + 1];  // [row][col] of the matrix, x's values
+  const MuonMatrix& m = launch.matrices[blockIdx.y];
+  x += blockIdx.y * size_t(rows) * cols;
+  const int lane = threadIdx.x % kMuonTile, first = threadIdx.x / kMuonTile, tiles_c = (cols + kMuonTile - 1) / kMuonTile;
+  for (int t = blockIdx.x; t < muon_tiles(rows, cols); t += gridDim.x) {
+    const int r0 = t / tiles_c * kMuonTile, c0 = t % tiles_c * kMuonTile;
+    for (int j = first; j < kMuonTile; j += kMuonTileThreads / kMuonTile)
+      if (r0 + j < rows && c0 + lane < cols) {
+        const size_t i = size_t(r0 + j) * cols + c0 + lane;
+        const float grad = m.g[i] * grad_scale;
+        const float b = momentum * m.momentum[i] + (1 - momentum) * grad;
+        m.momentum[i] = b;
+        tile[j][lane] = (1 - momentum) * grad + momentum * b;
+      }
+    __syncthreads();
+    for (int j = first; j < kMuonTile; j += kMuonTileThreads / kMuonTile)
+      if (c0 + j < cols && r0 + lane < rows) x[size_t(c0 + j) * rows + r0 + lane] = __float2bfloat16(tile[lane][j]);
+    __syncthreads();  // the tile is read before the next turn writes it
+  }
 }
 
 // x[batch, n] row i divided by norms[i] + 1e-7, 8 elements a thread (n a multiple of 8; x is a Muon
@@ -106,29 +130,42 @@ __global__ void scale_by_inverse_norms_kernel(bf16* x, size_t n, size_t total, c
   }
 }
 
-// Matrix blockIdx.y of the launch: p[rows, cols] -= lr * x, x stored [cols, rows] when `transpose`;
-// x: the launch's first matrix's.
-__global__ void muon_apply_kernel(const __grid_constant__ MuonLaunch launch, const bf16* x, int rows, int cols,
-                                  bool transpose, float lr) {
+// Matrix blockIdx.y of the launch: p[n] -= lr * x; x: the launch's first matrix's.
+__global__ void muon_apply_kernel(const __grid_constant__ MuonLaunch launch, const bf16* x, size_t n, float lr) {
   float* p = launch.matrices[blockIdx.y].p;
-  const size_t n = size_t(rows) * cols, first = blockIdx.x * size_t(blockDim.x) + threadIdx.x,
-               stride = size_t(gridDim.x) * blockDim.x;
   x += blockIdx.y * n;
-  if (transpose)
-    for (size_t i = first; i < n; i += stride) p[i] -= lr * __bfloat162float(x[i % cols * rows + i / cols]);
-  else
-    for (size_t i = first; i < n; i += stride) p[i] -= lr * __bfloat162float(x[i]);
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] -= lr * __bfloat162float(x[i]);
 }
 
-// Runs pass(launch, first, grid) for the batch's matrices in launches of at most kMaxMuonLaunch
-// (first: the launch's first matrix), each matrix a row of the grid's blocks.
+// The apply pass of a tall matrix [rows, cols], x stored [cols, rows] (muon_momentum_transposed_kernel's tiles).
+__global__ void __launch_bounds__(kMuonTileThreads) muon_apply_transposed_kernel(const __grid_constant__ MuonLaunch launch,
+                                                                                 const bf16* x, int rows, int cols,
+                                                                                 float lr) {
+  __shared__ float tile[kMuonTile][kMuonTile + 1];  // [row][col] of the matrix
+  float* p = launch.matrices[blockIdx.y].p;
+  x += blockIdx.y * size_t(rows) * cols;
+  const int lane = threadIdx.x % kMuonTile, first = threadIdx.x / kMuonTile, tiles_c = (cols + kMuonTile - 1) / kMuonTile;
+  for (int t = blockIdx.x; t < muon_tiles(rows, cols); t += gridDim.x) {
+    const int r0 = t / tiles_c * kMuonTile, c0 = t % tiles_c * kMuonTile;
+    for (int j = first; j < kMuonTile; j += kMuonTileThreads / kMuonTile)
+      if (c0 + j < cols && r0 + lane < rows) tile[lane][j] = __bfloat162float(x[size_t(c0 + j) * rows + r0 + lane]);
+    __syncthreads();
+    for (int j = first; j < kMuonTile; j += kMuonTileThreads / kMuonTile)
+      if (r0 + j < rows && c0 + lane < cols) p[size_t(r0 + j) * cols + c0 + lane] -= lr * tile[j][lane];
+    __syncthreads();  // the tile is read before the next turn writes it
+  }
+}
+
+// Runs pass(launch, first, count) for the batch's matrices in launches of at most kMaxMuonLaunch
+// (first: the launch's first matrix; count: its matrices, a row of the grid's blocks each).
 template <typename Pass>
-void for_each_muon_launch(const std::vector<MuonMatrix>& matrices, size_t n, Pass pass) {
+void for_each_muon_launch(const std::vector<MuonMatrix>& matrices, Pass pass) {
   for (size_t first = 0; first < matrices.size(); first += kMaxMuonLaunch) {
     MuonLaunch launch{};
     const int count = int(std::min<size_t>(kMaxMuonLaunch, matrices.size() - first));
     std::copy(matrices.begin() + first, matrices.begin() + first + count, launch.matrices);
-    pass(launch, first, dim3(std::max(1, elementwise_grid(count * n) / count), count));
+    pass(launch, first, count);
   }
 }
 
@@ -174,14 +211,26 @@ inline void muon_update(const std::vector<MuonMatrix>& matrices, int rows, int c
   const bool transpose = rows > cols;
   const int r = transpose ? cols : rows, k = transpose ? rows : cols;
   const float lr = s.lr * std::sqrt(std::max(1.0f, float(rows) / float(cols)));
-  for_each_muon_launch(matrices, n, [&](const MuonLaunch& launch, size_t first, dim3 grid) {
-    muon_momentum_kernel<<<grid, 256, 0, stream>>>(launch, ws.x_ + first * n, rows, cols, transpose, s.momentum,
-                                                   s.grad_scale);
+  // a launch's grid: its matrices' elements (or tiles) over about as many blocks as one pass takes
+  auto grid = [&](int count) {
+    const size_t items = transpose ? size_t(muon_tiles(rows, cols)) * kMuonTileThreads : n;
+    return dim3(std::max(1, elementwise_grid(count * items) / count), count);
+  };
+  for_each_muon_launch(matrices, [&](const MuonLaunch& launch, size_t first, int count) {
+    if (transpose)
+      muon_momentum_transposed_kernel<<<grid(count), kMuonTileThreads, 0, stream>>>(launch, ws.x_ + first * n, rows,
+                                                                                   cols, s.momentum, s.grad_scale);
+    else
+      muon_momentum_kernel<<<grid(count), 256, 0, stream>>>(launch, ws.x_ + first * n, n, s.momentum, s.grad_scale);
     CUDA_CHECK_LAUNCH();
   });
   newton_schulz5(ws, batch, r, k, matmul, stream);
-  for_each_muon_launch(matrices, n, [&](const MuonLaunch& launch, size_t first, dim3 grid) {
-    muon_apply_kernel<<<grid, 256, 0, stream>>>(launch, ws.x_ + first * n, rows, cols, transpose, lr);
+  for_each_muon_launch(matrices, [&](const MuonLaunch& launch, size_t first, int count) {
+    if (transpose)
+      muon_apply_transposed_kernel<<<grid(count), kMuonTileThreads, 0, stream>>>(launch, ws.x_ + first * n, rows, cols,
+                                                                                lr);
+    else
+      muon_apply_kernel<<<grid(count), 256, 0, stream>>>(launch, ws.x_ + first * n, n, lr);
     CUDA_CHECK_LAUNCH();
   });
 }
