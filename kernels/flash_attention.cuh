@@ -253,13 +253,13 @@ __device__ inline bool online_softmax(float (&s)[kTile / 8][4], float (&row_max)
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    const float before = row_max[r];
+    if (moved) row_max[r] = fmaxf(before, scaled_max[r]);
+    base[r] = row_max[r] == -INFINITY ? 0.0f : row_max[r];  // a row with nothing allowed yet stays at zero
     if (moved) {
-      const float new_max = fmaxf(row_max[r], scaled_max[r]);
-      correction[r] = ptx::exp2_ftz(row_max[r] - (new_max == -INFINITY ? 0.0f : new_max));
-      row_max[r] = new_max;
+      correction[r] = ptx::exp2_ftz(before - base[r]);
       row_sum[r] *= correction[r];
     }
-    base[r] = row_max[r] == -INFINITY ? 0.0f : row_max[r];  // a row with nothing allowed yet stays at zero
   }
 #pragma unroll
   for (int n = 0; n < N; ++n)

@@ -73,25 +73,32 @@ struct MuonLaunch {
   MuonMatrix matrices[kMaxMuonLaunch];
 };
 
-// Matrix blockIdx.y of the launch: buf = m buf + (1 - m) g s; x = (1 - m) g s + m buf in bf16;
-// x: the launch's first matrix's [rows, cols] (a wide or square matrix, iterated as it is).
+// Element i of a matrix's momentum pass: buf = m buf + (1 - m) g s; returns x = (1 - m) g s + m buf
+// (the iteration's input, before its rounding to bf16).
+__device__ inline float muon_momentum_step(const MuonMatrix& m, size_t i, float momentum, float grad_scale) {
+  const float grad = m.g[i] * grad_scale;
+  const float b = momentum * m.momentum[i] + (1 - momentum) * grad;
+  m.momentum[i] = b;
+  return (1 - momentum) * grad + momentum * b;
+}
+
+// Matrix blockIdx.y of the launch: its momentum pass, x in bf16; x: the launch's first matrix's
+// [rows, cols] (a wide or square matrix, iterated as it is).
 __global__ void muon_momentum_kernel(const __grid_constant__ MuonLaunch launch, bf16* x, size_t n, float momentum,
                                      float grad_scale) {
   const MuonMatrix& m = launch.matrices[blockIdx.y];
   x += blockIdx.y * n;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float grad = m.g[i] * grad_scale;
-    const float b = momentum * m.momentum[i] + (1 - momentum) * grad;
-    m.momentum[i] = b;
-    x[i] = __float2bfloat16((1 - momentum) * grad + momentum * b);
-  }
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = __float2bfloat16(muon_momentum_step(m, i, momentum, grad_scale));
 }
 
 // A tall matrix is iterated as its transpose: its passes go through 32 x 32 tiles in shared memory
 // (padded against bank conflicts), so that both the matrix's rows and x's are read and written
 // whole, not one 2-byte element a 32-byte sector. Blocks of 32 x 8 threads, a tile a block a turn.
 constexpr int kMuonTile = 32, kMuonTileThreads = kMuonTile * 8;
-__host__ __device__ inline int muon_tiles(int rows, int cols) { return ((rows + kMuonTile - 1) / kMuonTile) * ((cols + kMuonTile - 1) / kMuonTile); }
+__host__ __device__ inline int muon_tiles(int rows, int cols) {
+  return ((rows + kMuonTile - 1) / kMuonTile) * ((cols + kMuonTile - 1) / kMuonTile);
+}
 
 // The momentum pass of a tall matrix [rows, cols]: x stored [cols, rows].
 __global__ void __launch_bounds__(kMuonTileThreads) muon_momentum_transposed_kernel(
@@ -103,13 +110,8 @@ __global__ void __launch_bounds__(kMuonTileThreads) muon_momentum_transposed_ker
   for (int t = blockIdx.x; t < muon_tiles(rows, cols); t += gridDim.x) {
     const int r0 = t / tiles_c * kMuonTile, c0 = t % tiles_c * kMuonTile;
     for (int j = first; j < kMuonTile; j += kMuonTileThreads / kMuonTile)
-      if (r0 + j < rows && c0 + lane < cols) {
-        const size_t i = size_t(r0 + j) * cols + c0 + lane;
-        const float grad = m.g[i] * grad_scale;
-        const float b = momentum * m.momentum[i] + (1 - momentum) * grad;
-        m.momentum[i] = b;
-        tile[j][lane] = (1 - momentum) * grad + momentum * b;
-      }
+      if (r0 + j < rows && c0 + lane < cols)
+        tile[j][lane] = muon_momentum_step(m, size_t(r0 + j) * cols + c0 + lane, momentum, grad_scale);
     __syncthreads();
     for (int j = first; j < kMuonTile; j += kMuonTileThreads / kMuonTile)
       if (c0 + j < cols && r0 + lane < rows) x[size_t(c0 + j) * rows + r0 + lane] = __float2bfloat16(tile[lane][j]);
