@@ -14,6 +14,7 @@
 #include "kernels/flash_attention.cuh"
 #include "kernels/fp8_head.cuh"
 #include "kernels/host/cuda_check.cuh"
+#include "kernels/host/matmul_algorithms.h"
 #include "kernels/host/rendezvous.h"
 #include "kernels/host/schedules.h"
 #include "kernels/host/sharding.h"
@@ -36,6 +37,7 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <iomanip>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -109,6 +111,7 @@ struct Hyperparameters {
   std::string qkv = "cublaslt";        // cublaslt or fused (opt-in until measured on a GPU)
   std::string qkv_backward = "separate";  // separate or fused (opt-in until measured on a GPU)
   int fp8_logits_algorithm = 0;        // cuBLASLt's heuristic answer for the FP8 logits (bench_kernels fp8 times them)
+  std::string matmul_algorithms = "first";  // and for each of the blocks' products (bench_kernels matmul times them)
   std::string self_check = "fallback"; // fallback, strict or off
   bool self_check_only = false;        // run the self-check and exit
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
@@ -269,6 +272,12 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "`bench_kernels fp8` times each at the model's shape",
        [&h] { return h.fp8_logits_algorithm >= 0 && h.fp8_logits_algorithm < Matmul::kMaxCandidates; },
        "in [0, " + std::to_string(Matmul::kMaxCandidates) + ")"},
+      {"matmul-algorithms", &h.matmul_algorithms,
+       "which of cuBLASLt's heuristic algorithms the blocks' products take in training: linear.product=N items "
+       "joined by commas (linear: qkv, attn-proj, mlp-fc or mlp-proj; product: fwd, dx or dw), e.g. "
+       "mlp-fc.dw=2,qkv.dx=1; the rest take 0, the heuristic's first; first: all do. `bench_kernels matmul` times "
+       "each at the model's shape and prints the fastest as this value",
+       nullptr, ""},
       {"self-check", &h.self_check,
        "check the fast paths at start-up: fallback (a failing one's reference), strict (exit 6), off",
        one_of(&h.self_check, {"fallback", "strict", "off"}), "fallback, strict or off"},
@@ -347,11 +356,8 @@ inline std::string usage(const std::string& program) {
   Hyperparameters defaults;
   std::ostringstream out;
   out << "usage: " << program << " [--flag value | --flag=value]...\n\nflags (default in brackets):\n";
-  for (const Flag& f : flag_table(defaults)) {
-    char line[256];
-    std::snprintf(line, sizeof line, "  --%-22s %s [%s]\n", f.name.c_str(), f.help.c_str(), flag_value_text(f).c_str());
-    out << line;
-  }
+  for (const Flag& f : flag_table(defaults))  // a stream, not a fixed buffer: some helps are long
+    out << "  --" << std::left << std::setw(22) << f.name << " " << f.help << " [" << flag_value_text(f) << "]\n";
   out << "  --help                   this text\n\nexit status:\n";
   for (const auto& [status, meaning] : kExitStatusMeanings) {
     char line[256];
@@ -381,6 +387,26 @@ inline std::string unexpected_argument(const std::string& arg, const std::string
 
 // Parses argv into h. Throws FlagError naming the flag for unknown flags, missing or malformed
 // values and values outside their range. Returns false when --help was asked.
+// --matmul-algorithms's value, refused where it names what is not a cuBLASLt product in the run:
+// with --qkv fused or --mlp-fc fused our GEMM makes the qkv product, the MLP's fc product and its
+// projection's dx product (with ReLU²'s backward in its epilogue).
+inline MatmulAlgorithms check_matmul_algorithms(const Hyperparameters& h) {
+  MatmulAlgorithms a;
+  try {
+    a = MatmulAlgorithms::parse(h.matmul_algorithms, Matmul::kMaxCandidates);
+  } catch (const std::invalid_argument& e) {
+    throw FlagError("--matmul-algorithms " + h.matmul_algorithms + ": " + e.what());
+  }
+  struct Ours { BlockLinear linear; LinearProduct product; const char* flag; const std::string& value; };
+  for (const Ours& o : {Ours{BlockLinear::qkv, LinearProduct::fwd, "qkv", h.qkv},
+                        Ours{BlockLinear::mlp_fc, LinearProduct::fwd, "mlp-fc", h.mlp_fc},
+                        Ours{BlockLinear::mlp_proj, LinearProduct::dx, "mlp-fc", h.mlp_fc}})
+    if (a.of(o.linear, o.product) != 0 && o.value == "fused")
+      throw FlagError("--matmul-algorithms names " + MatmulAlgorithms::name_of(o.linear, o.product) + ", which --" +
+                      o.flag + " fused makes with our GEMM, not with cuBLASLt");
+  return a;
+}
+
 inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
   std::vector<Flag> flags = flag_table(h);
   auto is_flag = [&](const std::string& word) {
@@ -437,6 +463,7 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
     if (name.rfind("diloco-", 0) == 0 && name != "diloco-groups" && h.diloco_groups <= 1)
       throw FlagError("--" + name + " has no effect without --diloco-groups 2 or more");
   }
+  check_matmul_algorithms(h);
   if (h.qkv_backward == "fused" && (h.attention == "flash-split" || h.attention == "reference"))
     throw FlagError("--qkv-backward fused needs the fused flash backward (--attention flash or flash-ws), not "
                     "--attention " + h.attention);
@@ -1171,6 +1198,8 @@ class GPT {
     a_ = &acts;
     T_ = T;
     stream_ = stream;
+    // evaluation's products are of its own length, which no one timed: the heuristic's first
+    algorithms_ = backward ? paths_.matmul_algorithms : MatmulAlgorithms{};
     {
       TimelineSpan span(timeline_, "compute", "forward", stream);
       forward(plan);
@@ -1210,6 +1239,36 @@ class GPT {
     }
   }
 
+  // Plans each of the blocks' products that the paths' --matmul-algorithms names at the training
+  // length T, as the steps make them (any buffers aligned as theirs: every operand is at a 256-byte
+  // boundary): a candidate cuBLASLt does not offer is refused now, naming the flag, not at the first step.
+  void plan_block_matmuls(const Activations& acts, int T) {
+    const MatmulAlgorithms& chosen = paths_.matmul_algorithms;
+    const int d = c_.model_dim, F = c_.mlp_dim();
+    struct Shape { BlockLinear linear; ParamKind kind; int n, k; bool residual; };
+    for (const Shape& s : {Shape{BlockLinear::qkv, ParamKind::qkv, 3 * d, d, false},
+                           Shape{BlockLinear::attn_proj, ParamKind::attn_proj, d, d, true},
+                           Shape{BlockLinear::mlp_fc, ParamKind::mlp_fc, F, d, false},
+                           Shape{BlockLinear::mlp_proj, ParamKind::mlp_proj, d, F, true}}) {
+      const bf16 *w = params.weight(s.kind, 0), *x = acts.x0;
+      float* dw = params.grad(s.kind, 0);
+      for (LinearProduct p : {LinearProduct::fwd, LinearProduct::dx, LinearProduct::dw}) {
+        MatmulOptions o;
+        o.candidate = chosen.of(s.linear, p);
+        if (o.candidate == 0) continue;
+        if (p == LinearProduct::fwd && s.residual && paths_.fused_residual_add) o.addend = x;
+        try {
+          if (p == LinearProduct::fwd) matmul_.plan_only(x, Transpose::N, w, Transpose::T, x, T, s.n, s.k, CUDA_R_16BF, o);
+          if (p == LinearProduct::dx) matmul_.plan_only(x, Transpose::N, w, Transpose::N, x, T, s.k, s.n, CUDA_R_16BF, o);
+          if (p == LinearProduct::dw) matmul_.plan_only(x, Transpose::T, x, Transpose::N, dw, s.n, s.k, T, CUDA_R_32F, o);
+        } catch (const std::invalid_argument& e) {
+          throw FlagError("--matmul-algorithms " + MatmulAlgorithms::name_of(s.linear, p) + "=" +
+                          std::to_string(o.candidate) + ": " + e.what());
+        }
+      }
+    }
+  }
+
   ParameterStore params;
 
  private:
@@ -1223,20 +1282,29 @@ class GPT {
     const int64_t d = c_.model_dim;
     return {T_, c_.num_heads, d, d, d};
   }
+  // The product's options: in training, the cuBLASLt candidate --matmul-algorithms gives it.
+  MatmulOptions options(BlockLinear linear, LinearProduct product) const {
+    MatmulOptions o;
+    o.candidate = algorithms_.of(linear, product);
+    return o;
+  }
   // y[T, n] = x[T, k] W[n, k]^T (+ residual[T, n]), bf16 out
-  void linear(const bf16* x, const bf16* w, bf16* y, int n, int k, const bf16* residual = nullptr) {
-    if (residual) linear_with_residual(matmul_, x, w, y, T_, n, k, residual, paths_.fused_residual_add, stream_);
-    else matmul_(x, Transpose::N, w, Transpose::T, y, T_, n, k, CUDA_R_16BF, stream_);
+  void linear(BlockLinear which, const bf16* x, const bf16* w, bf16* y, int n, int k, const bf16* residual = nullptr) {
+    const MatmulOptions o = options(which, LinearProduct::fwd);
+    if (residual) linear_with_residual(matmul_, x, w, y, T_, n, k, residual, paths_.fused_residual_add, stream_, o);
+    else matmul_(x, Transpose::N, w, Transpose::T, y, T_, n, k, CUDA_R_16BF, o, stream_);
   }
   // For y = x W^T: dx[T, k] = dy[T, n] W[n, k] and dW[n, k] += dy^T x (fp32)
-  void linear_backward(const bf16* x, const bf16* w, const bf16* dy, bf16* dx, float* dw, int n, int k) {
-    matmul_(dy, Transpose::N, w, Transpose::N, dx, T_, k, n, CUDA_R_16BF, stream_);
-    linear_weight_gradient(x, dy, dw, n, k);
+  void linear_backward(BlockLinear which, const bf16* x, const bf16* w, const bf16* dy, bf16* dx, float* dw, int n,
+                       int k) {
+    matmul_(dy, Transpose::N, w, Transpose::N, dx, T_, k, n, CUDA_R_16BF, options(which, LinearProduct::dx), stream_);
+    linear_weight_gradient(which, x, dy, dw, n, k);
   }
 
   // dw [n, k] += dy^T x
-  void linear_weight_gradient(const bf16* x, const bf16* dy, float* dw, int n, int k) {
-    matmul_(dy, Transpose::T, x, Transpose::N, dw, n, k, T_, CUDA_R_32F, stream_, 1.0f, 1.0f);
+  void linear_weight_gradient(BlockLinear which, const bf16* x, const bf16* dy, float* dw, int n, int k) {
+    matmul_(dy, Transpose::T, x, Transpose::N, dw, n, k, T_, CUDA_R_32F, options(which, LinearProduct::dw), stream_,
+            1.0f, 1.0f);
   }
 
   void forward(const MicroSequencePlan& plan) {
@@ -1272,12 +1340,12 @@ class GPT {
       matmul_qkv_norm_rope(l.h_attn, params.weight(ParamKind::qkv, i), l.qkv, l.q, l.k, l.v, a_->cos_sin, sa0, ve, sa1,
                            T_, d, stream_);
     } else {
-      linear(l.h_attn, params.weight(ParamKind::qkv, i), l.qkv, 3 * d, d);
+      linear(BlockLinear::qkv, l.h_attn, params.weight(ParamKind::qkv, i), l.qkv, 3 * d, d);
       qk_norm_rope_forward(l.qkv, a_->cos_sin, l.q, l.k, T_, c_.num_heads, stream_);
       weighted_sum_forward(l.qkv + 2 * d, sa0, ve, sa1, l.v, T_, d, 3 * d, stream_);
     }
     attention_forward_of(paths_)(l.q, l.k, l.v, l.y, l.lse, attention_shape(), mask(plan, i), stream_);
-    linear(l.y, params.weight(ParamKind::attn_proj, i), l.x_mid, d, d, /*residual=*/l.x_mixed);
+    linear(BlockLinear::attn_proj, l.y, params.weight(ParamKind::attn_proj, i), l.x_mid, d, d, /*residual=*/l.x_mixed);
   }
 
   void mlp_forward_layer(int i) {
@@ -1288,10 +1356,10 @@ class GPT {
       matmul_relu_squared(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.a, T_, F, d, stream_);
     } else {
       if (!l.u) throw std::logic_error("the unfused MLP fc asked of activations built without u (--mlp-fc fused)");
-      linear(l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.u, F, d);
+      linear(BlockLinear::mlp_fc, l.h_mlp, params.weight(ParamKind::mlp_fc, i), l.u, F, d);
       relu_squared_forward(l.u, l.a, size_t(T_) * F, stream_);
     }
-    linear(l.a, params.weight(ParamKind::mlp_proj, i), l.x_out, d, F, /*residual=*/l.x_mid);
+    linear(BlockLinear::mlp_proj, l.a, params.weight(ParamKind::mlp_proj, i), l.x_out, d, F, /*residual=*/l.x_mid);
   }
 
   // Logits, softcapped cross-entropy and, for training, the head's backward, chunk by chunk:
@@ -1371,12 +1439,12 @@ class GPT {
     const bf16* w_proj = params.weight(ParamKind::mlp_proj, i);
     if (paths_.fused_mlp_fc) {  // du = (dx W_proj) 2 sqrt(a) in one pass: da is not written
       matmul_relu_squared_backward(a.dx, w_proj, l.a, a.du, T_, F, d, stream_);
-      linear_weight_gradient(l.a, a.dx, params.grad(ParamKind::mlp_proj, i), d, F);
+      linear_weight_gradient(BlockLinear::mlp_proj, l.a, a.dx, params.grad(ParamKind::mlp_proj, i), d, F);
     } else {
-      linear_backward(l.a, w_proj, a.dx, a.du, params.grad(ParamKind::mlp_proj, i), d, F);
+      linear_backward(BlockLinear::mlp_proj, l.a, w_proj, a.dx, a.du, params.grad(ParamKind::mlp_proj, i), d, F);
       relu_squared_backward(l.u, a.du, a.du, size_t(T_) * F, stream_);
     }
-    linear_backward(l.h_mlp, params.weight(ParamKind::mlp_fc, i), a.du, a.dh, params.grad(ParamKind::mlp_fc, i), F, d);
+    linear_backward(BlockLinear::mlp_fc, l.h_mlp, params.weight(ParamKind::mlp_fc, i), a.du, a.dh, params.grad(ParamKind::mlp_fc, i), F, d);
     // without attention x_mid is x_mixed, whose norm's backward is mix_norm_backward's
     if (c_.has_attention[i]) rmsnorm_backward(l.x_mid, a.dh, a.dx, T_, d, /*accumulate=*/true, stream_);
   }
@@ -1385,7 +1453,7 @@ class GPT {
     Activations& a = *a_;
     LayerActivations& l = a.layers[i];
     const int d = c_.model_dim;
-    linear_backward(l.y, params.weight(ParamKind::attn_proj, i), a.dx, a.dy, params.grad(ParamKind::attn_proj, i), d, d);
+    linear_backward(BlockLinear::attn_proj, l.y, params.weight(ParamKind::attn_proj, i), a.dx, a.dy, params.grad(ParamKind::attn_proj, i), d, d);
     // v = sa0 v_raw + sa1 ve: dv_raw goes into the v third of dqkv; the ve table gets sa1 dv
     const int table = c_.value_embed[i], s0 = c_.sa_lambda_index(i, 0), s1 = c_.sa_lambda_index(i, 1);
     const bf16* ve = table >= 0 ? a.value_embedded[table] : nullptr;
@@ -1404,12 +1472,13 @@ class GPT {
     if (ve)
       embedding_backward(*plan.embedding_rows, a.dv, params.embedding_grad(table), scalar(s1), d, a.embedding_scratch,
                          stream_);
-    linear_backward(l.h_attn, params.weight(ParamKind::qkv, i), a.dqkv, a.dh, params.grad(ParamKind::qkv, i), 3 * d, d);
+    linear_backward(BlockLinear::qkv, l.h_attn, params.weight(ParamKind::qkv, i), a.dqkv, a.dh, params.grad(ParamKind::qkv, i), 3 * d, d);
     // (the norm of x_mixed: mix_norm_backward)
   }
 
   Matmul matmul_;
   KernelPaths paths_;
+  MatmulAlgorithms algorithms_;  // the products' cuBLASLt candidates in this step
   Activations* a_ = nullptr;
   int T_ = 0;
   cudaStream_t stream_ = nullptr;
@@ -2366,6 +2435,7 @@ inline KernelPaths paths_of(const Hyperparameters& h) {
   p.fused_qkv = h.qkv == "fused";
   p.qkv_backward_in_attention = h.qkv_backward == "fused";
   p.fp8_logits_candidate = h.fp8_logits_algorithm;
+  p.matmul_algorithms = check_matmul_algorithms(h);
   return p;
 }
 
@@ -2486,6 +2556,7 @@ class TrainingRun {
     paths_ = self_check.paths;
     model_.set_paths(paths_);
     model_.plan_fp8_head(train_, h.seq_len);
+    model_.plan_block_matmuls(train_, h.seq_len);
     if (!paths_.fused_mlp_fc)
       for (Activations* acts : {&train_, &eval_}) acts->allocate_mlp_pre_activations(config_, memory_);
     optimizers_.set_batched_muon(paths_.batched_muon);

@@ -331,15 +331,10 @@ inline void add_into(const bf16* src, bf16* dst, size_t n, cudaStream_t stream) 
 
 // y[T, n] = x[T, k] W[n, k]^T + residual[T, n] (bf16): with `fused`, the residual is cuBLASLt's C
 // (D elsewhere: one pass); otherwise the product and then an add (the self-check's reference, and
-// the run's path with --residual-add separate).
+// the run's path with --residual-add separate). `o`: the product's options (its cuBLASLt candidate).
 inline void linear_with_residual(Matmul& matmul, const bf16* x, const bf16* w, bf16* y, int T, int n, int k,
-                                 const bf16* residual, bool fused, cudaStream_t stream) {
-  if (fused) {
-    MatmulOptions o;
-    o.addend = residual;
-    matmul(x, Transpose::N, w, Transpose::T, y, T, n, k, CUDA_R_16BF, o, stream, 1.0f, 1.0f);
-    return;
-  }
-  matmul(x, Transpose::N, w, Transpose::T, y, T, n, k, CUDA_R_16BF, stream);
-  add_into(residual, y, size_t(T) * n, stream);
+                                 const bf16* residual, bool fused, cudaStream_t stream, MatmulOptions o = {}) {
+  if (fused) o.addend = residual;
+  matmul(x, Transpose::N, w, Transpose::T, y, T, n, k, CUDA_R_16BF, o, stream, 1.0f, fused ? 1.0f : 0.0f);
+  if (!fused) add_into(residual, y, size_t(T) * n, stream);
 }

@@ -23,6 +23,7 @@
 #include "kernels/attention.cuh"
 #include "kernels/check_arrays.cuh"
 #include "kernels/host/faults.h"
+#include "kernels/host/matmul_algorithms.h"
 #include "kernels/flash_attention.cuh"
 #include "kernels/gemm_epilogue.cuh"
 #include "kernels/fp8_head.cuh"
@@ -54,6 +55,9 @@ struct KernelPaths {
   // Not a fast path: which of cuBLASLt's algorithms the FP8 logits product takes (--fp8-logits-algorithm;
   // the self-check's small product has other candidates, so it checks the heuristic's first).
   int fp8_logits_candidate = 0;
+  // Nor this: which of cuBLASLt's algorithms each of the blocks' products takes in training
+  // (--matmul-algorithms); the self-check's products are of other shapes.
+  MatmulAlgorithms matmul_algorithms;
 };
 
 // The attention forward that a run's paths select.

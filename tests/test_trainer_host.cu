@@ -157,6 +157,42 @@ TEST_CASE("the fast paths' flags select their references; the self-check's modes
   }
 }
 
+TEST_CASE("--matmul-algorithms: each named product's cuBLASLt candidate, the rest the first; bad items named") {
+  const MatmulAlgorithms first = paths_of(parsed({})).matmul_algorithms;
+  CHECK(first.text() == "first" && parsed({}).matmul_algorithms == "first");
+  const MatmulAlgorithms chosen = paths_of(parsed({"--matmul-algorithms", "mlp-fc.dw=2,qkv.dx=1,attn-proj.fwd=15"})).matmul_algorithms;
+  CHECK(chosen.of(BlockLinear::mlp_fc, LinearProduct::dw) == 2 && chosen.of(BlockLinear::qkv, LinearProduct::dx) == 1 &&
+        chosen.of(BlockLinear::attn_proj, LinearProduct::fwd) == 15);
+  int named = 0;
+  for (const auto& products : chosen.candidate)
+    for (int c : products) named += c != 0;
+  CHECK(named == 3);
+  CHECK(chosen.text() == "qkv.dx=1,attn-proj.fwd=15,mlp-fc.dw=2");  // table order: what bench_kernels prints
+  CHECK(MatmulAlgorithms::parse(chosen.text(), Matmul::kMaxCandidates).text() == chosen.text());
+  CHECK(MatmulAlgorithms::parse("qkv.fwd=0", Matmul::kMaxCandidates).text() == "first");
+  const std::pair<const char*, const char*> refused[] = {
+      {"qkv.fwd=16", "'qkv.fwd=16': the candidate is an integer in [0, 16)"},
+      {"qkv.fwd=-1", "the candidate is an integer in [0, 16)"},
+      {"qkv.fwd=", "the candidate is an integer"},
+      {"qkv.fwd=1x", "the candidate is an integer"},
+      {"lm-head.fwd=1", "'lm-head.fwd=1': the linear is one of qkv, attn-proj, mlp-fc or mlp-proj"},
+      {"qkv.dW=1", "'qkv.dW=1': the product is one of fwd, dx or dw"},
+      {"qkv=1", "'qkv=1' is not linear.product=N"},
+      {"qkv.fwd=1,", "'' is not linear.product=N"},
+      {"", "'' is not linear.product=N"},
+      {"mlp-fc.dw=1,mlp-fc.dw=2", "mlp-fc.dw is named twice"},
+  };
+  for (const auto& [value, message] : refused)
+    CHECK_THROWS_WITH(parse_only({"--matmul-algorithms=" + std::string(value)}), "--matmul-algorithms ", message);
+  // our GEMM makes these products with the fused paths: a cuBLASLt candidate for them would do nothing
+  CHECK_THROWS_WITH(parse_only({"--qkv", "fused", "--matmul-algorithms", "qkv.fwd=1"}),
+                    "--matmul-algorithms names qkv.fwd, which --qkv fused makes with our GEMM, not with cuBLASLt");
+  for (const char* product : {"mlp-fc.fwd=1", "mlp-proj.dx=1"})
+    CHECK_THROWS_WITH(parse_only({"--mlp-fc", "fused", "--matmul-algorithms", product}), "which --mlp-fc fused makes");
+  CHECK(paths_of(parsed({"--mlp-fc", "fused", "--qkv", "fused", "--matmul-algorithms", "qkv.dx=1,mlp-proj.fwd=1"}))
+            .matmul_algorithms.text() == "qkv.dx=1,mlp-proj.fwd=1");
+}
+
 TEST_CASE("--ranks-share-gpu: NCCL's host id and sockets set before NCCL starts; an allocation failure says why") {
   ProcessGroupEnv g;
   g.rank = 1;
@@ -198,6 +234,9 @@ TEST_CASE("--help lists every flag with its default") {
   CHECK(!parse_flags(args.argc(), args.argv(), h));
   std::string text = usage("train_gpt");
   for (const Flag& f : flag_table(h)) CHECK(text.find("--" + f.name + " ") != std::string::npos);
+  Hyperparameters defaults;
+  for (const Flag& f : flag_table(defaults))  // whole, however long (a fixed buffer cut the longest once)
+    CHECK(text.find(" " + f.help + " [" + flag_value_text(f) + "]\n") != std::string::npos);
   CHECK(text.find("[1770]") != std::string::npos && text.find("[0.008]") != std::string::npos);
   for (int status : {0, 1, 2, 3, 4, 5, 75}) CHECK(text.find("\n  " + std::to_string(status) + " ") != std::string::npos);
 }

@@ -15,6 +15,7 @@
 #include "kernels/flash_attention.cuh"
 #include "kernels/fp8_head.cuh"
 #include "kernels/gemm_epilogue.cuh"
+#include "kernels/host/matmul_algorithms.h"
 #include "kernels/matmul.cuh"
 #include "kernels/muon.cuh"
 #include "kernels/norms.cuh"
@@ -164,17 +165,34 @@ void time_candidates(const std::string& product, const std::function<void(int)>&
   }
 }
 
+// Whether two runs of a product give the same bits (the trainer's resume is bitwise): `out`, of
+// `bytes`, zeroed before each run where the product adds into it.
+bool bitwise_reproducible(const std::function<void()>& run, void* out, size_t bytes, bool adds_into_out) {
+  std::vector<uint8_t> first(bytes), second(bytes);
+  for (std::vector<uint8_t>* copy : {&first, &second}) {
+    if (adds_into_out) CUDA_CHECK(cudaMemset(out, 0, bytes));
+    run();
+    CUDA_CHECK(cudaMemcpy(copy->data(), out, bytes, cudaMemcpyDeviceToHost));
+  }
+  return first == second;
+}
+
 // Each of the blocks' products as the trainer makes it (the projections' forward with the residual
 // as cuBLASLt's C, the weight gradients added to fp32 ones), with the heuristic's first answer and
-// then the fastest of the others ("its fastest: candidate N"): how much a choice of algorithm per
-// product could save (the trainer takes the first, as PyTorch does). The rows' names are the ones
-// tools/bench_torch.py pairs with torch.mm's (plain products: the residual's read is ours alone).
+// then the fastest of the others that gives the same bits on a second run ("its fastest: candidate
+// N"): how much a choice of algorithm per product could save, and the --matmul-algorithms value
+// that makes it (the trainer takes the first unless told, as PyTorch does). The rows' names are the
+// ones tools/bench_torch.py pairs with torch.mm's (plain products: the residual's read is ours alone).
 void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
-  struct Linear { const char* name; int in, out; bool residual; int blocks; };  // blocks: those that make it
+  // blocks: those that make it (none: the bf16 head's, --bf16-head, whose candidates are not timed)
+  struct Linear { const char* name; BlockLinear linear; int in, out; bool residual; int blocks; };
   double saved_ms = 0;  // a micro-sequence's worth
-  for (Linear l : {Linear{"qkv", D, QKV, false, kAttentionBlocks}, Linear{"attn proj", D, D, true, kAttentionBlocks},
-                   Linear{"mlp fc", D, F, false, kBlocks}, Linear{"mlp proj", F, D, true, kBlocks},
-                   Linear{"lm_head (bf16)", D, V, false, 0}}) {
+  MatmulAlgorithms fastest;
+  for (Linear l : {Linear{"qkv", BlockLinear::qkv, D, QKV, false, kAttentionBlocks},
+                   Linear{"attn proj", BlockLinear::attn_proj, D, D, true, kAttentionBlocks},
+                   Linear{"mlp fc", BlockLinear::mlp_fc, D, F, false, kBlocks},
+                   Linear{"mlp proj", BlockLinear::mlp_proj, F, D, true, kBlocks},
+                   Linear{"lm_head (bf16)", /*unused*/ BlockLinear::qkv, D, V, false, 0}}) {
     bf16 *x = random_bf16(size_t(T) * l.in, 1.0f, 3), *w = random_bf16(size_t(l.out) * l.in, 0.02f, 4);
     bf16 *y = device_alloc<bf16>(size_t(T) * l.out), *dx = device_alloc<bf16>(size_t(T) * l.in);
     bf16* residual = random_bf16(size_t(T) * l.out, 1.0f, 5);
@@ -182,18 +200,25 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
     CUDA_CHECK(cudaMemset(dw, 0, size_t(l.out) * l.in * sizeof(float)));
     const double flops = 2.0 * T * l.in * double(l.out);
     struct Product {
+      LinearProduct product;
       std::string name;
       std::function<void(const MatmulOptions&)> run;
+      void* out;
+      size_t out_bytes;
     };
     const Product products[] = {
-        {"fwd " + std::to_string(T) + "x" + std::to_string(l.in) + "->" + std::to_string(l.out),
+        {LinearProduct::fwd, "fwd " + std::to_string(T) + "x" + std::to_string(l.in) + "->" + std::to_string(l.out),
          [&](MatmulOptions o) {
            o.addend = l.residual ? residual : nullptr;
            matmul(x, Transpose::N, w, Transpose::T, y, T, l.out, l.in, CUDA_R_16BF, o, 0, 1.0f, l.residual ? 1.0f : 0.0f);
-         }},
-        {"dx", [&](const MatmulOptions& o) { matmul(y, Transpose::N, w, Transpose::N, dx, T, l.in, l.out, CUDA_R_16BF, o, 0); }},
-        {"dW (fp32 out)",
-         [&](const MatmulOptions& o) { matmul(y, Transpose::T, x, Transpose::N, dw, l.out, l.in, T, CUDA_R_32F, o, 0, 1.0f, 1.0f); }},
+         },
+         y, size_t(T) * l.out * sizeof(bf16)},
+        {LinearProduct::dx, "dx",
+         [&](const MatmulOptions& o) { matmul(y, Transpose::N, w, Transpose::N, dx, T, l.in, l.out, CUDA_R_16BF, o, 0); },
+         dx, size_t(T) * l.in * sizeof(bf16)},
+        {LinearProduct::dw, "dW (fp32 out)",
+         [&](const MatmulOptions& o) { matmul(y, Transpose::T, x, Transpose::N, dw, l.out, l.in, T, CUDA_R_32F, o, 0, 1.0f, 1.0f); },
+         dw, size_t(l.out) * l.in * sizeof(float)},
     };
     for (const Product& p : products) {
       const std::string name = "matmul " + std::string(l.name) + " " + p.name;
@@ -204,21 +229,29 @@ void bench_matmuls(Matmul& matmul, const Peaks& peaks) {
       };
       const float first = median_ms([&] { with_candidate(0); });
       row(name.c_str(), first, 0, flops, peaks);
-      if (l.blocks == 0) continue;  // the bf16 head's (--bf16-head), not the blocks'
+      if (l.blocks == 0) continue;
       int best = 0;
       float best_ms = first;
       time_candidates(name, with_candidate, [&](int c, float ms) {
-        if (ms < best_ms && ms < 0.99f * first) best = c, best_ms = ms;  // 1%: above the medians' noise
+        if (ms >= best_ms || ms >= 0.99f * first) return;  // 1%: above the medians' noise
+        if (!bitwise_reproducible([&] { with_candidate(c); }, p.out, p.out_bytes, p.product == LinearProduct::dw)) {
+          std::printf("| %-38s | %8.3f | not bitwise reproducible: left out |\n",
+                      ("  candidate " + std::to_string(c)).c_str(), ms);
+          return;
+        }
+        best = c, best_ms = ms;
       });
       if (best == 0) continue;
       const std::string best_name = "  its fastest: candidate " + std::to_string(best);
       row(best_name.c_str(), best_ms, 0, flops, peaks);
       saved_ms += l.blocks * (first - best_ms);
+      fastest.candidate[int(l.linear)][int(p.product)] = best;
     }
     for (void* p : {(void*)x, (void*)w, (void*)y, (void*)dx, (void*)residual, (void*)dw}) cudaFree(p);
   }
   std::printf("| %-38s | %8.3f | a micro-sequence; x8 a step at M = 8 |\n", "matmul: the fastest candidates save",
               saved_ms);
+  std::printf("| %-38s | --matmul-algorithms %s |\n", "matmul: the fastest candidates' flag", fastest.text().c_str());
   // Issue 29, item 4: the MLP's fc product with ReLU² as cuBLASLt + the separate pass, against our
   // TMA / wgmma GEMM plain and with the ReLU² epilogue (kernels/gemm_epilogue.cuh). The fused row
   // wins if it beats the first row; the plain one says how far our GEMM is from cuBLASLt's.

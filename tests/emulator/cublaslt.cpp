@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
+#include <stdexcept>
 #include <vector>
 
 namespace {
@@ -37,6 +39,11 @@ struct Layout {
 // passes the promise on in the algorithm and the emulated matmul holds every call to it.
 struct Alignments {
   uint32_t bytes[4] = {256, 256, 256, 256};
+};
+// An answer of the heuristic: the promise it was made under, and its place in the answers.
+struct Algorithm {
+  Alignments promised;
+  int candidate = 0;
 };
 
 template <typename Handle, typename State>
@@ -296,7 +303,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
   for (int i = 0; i < *found; ++i) {
     results[i] = cublasLtMatmulHeuristicResult_t{};
     results[i].state = CUBLAS_STATUS_SUCCESS;
-    state<cublasLtMatmulAlgo_t*, Alignments>(&results[i].algo) = state<cublasLtMatmulPreference_t, Alignments>(pref);
+    state<cublasLtMatmulAlgo_t*, Algorithm>(&results[i].algo) = {state<cublasLtMatmulPreference_t, Alignments>(pref), i};
   }
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -346,7 +353,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
                c = state<cublasLtMatrixLayout_t, Layout>(c_desc), dl = state<cublasLtMatrixLayout_t, Layout>(d_desc);
   if (!algo) return CUBLAS_STATUS_INVALID_VALUE;
   if (cublasStatus_t s = check(d, a, b, c, dl); s != CUBLAS_STATUS_SUCCESS) return s;
-  const Alignments& promised = state<const cublasLtMatmulAlgo_t*, const Alignments>(algo);
+  const Algorithm& algorithm = state<const cublasLtMatmulAlgo_t*, const Algorithm>(algo);
+  const Alignments& promised = algorithm.promised;
   if (!aligned(A, a, promised.bytes[0]) || !aligned(B, b, promised.bytes[1]) || !aligned(C, c, promised.bytes[2]) ||
       !aligned(D, dl, promised.bytes[3]))
     return CUBLAS_STATUS_INVALID_VALUE;
@@ -356,6 +364,35 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     return CUBLAS_STATUS_NOT_SUPPORTED;
   // alpha and beta in host memory, read at the call; the scales in device memory, as the product runs
   const float alpha_value = *static_cast<const float*>(alpha), beta_value = *static_cast<const float*>(beta);
+  // the column-major call is C^T = op(B)^T op(A)^T: its A is the row-major B
+  emu::record_matmul_call({dl.cols, dl.rows, d.trans_a == CUBLAS_OP_T ? a.rows : a.cols, d.trans_b == CUBLAS_OP_T,
+                           d.trans_a == CUBLAS_OP_T, algorithm.candidate});
   emu::enqueue(stream, [=] { multiply(d, a, b, c, dl, A, B, C, D, alpha_value, beta_value); });
   return CUBLAS_STATUS_SUCCESS;
 }
+
+namespace emu {
+namespace {
+std::mutex matmul_calls_mutex;
+std::vector<MatmulCall>* matmul_calls = nullptr;  // the live MatmulCalls' record, if any
+}  // namespace
+
+MatmulCalls::MatmulCalls() {
+  std::lock_guard<std::mutex> lock(matmul_calls_mutex);
+  if (matmul_calls) throw std::logic_error("MatmulCalls: one at a time");
+  matmul_calls = new std::vector<MatmulCall>;
+}
+MatmulCalls::~MatmulCalls() {
+  std::lock_guard<std::mutex> lock(matmul_calls_mutex);
+  delete matmul_calls;
+  matmul_calls = nullptr;
+}
+std::vector<MatmulCall> MatmulCalls::calls() const {
+  std::lock_guard<std::mutex> lock(matmul_calls_mutex);
+  return *matmul_calls;
+}
+void record_matmul_call(const MatmulCall& call) {
+  std::lock_guard<std::mutex> lock(matmul_calls_mutex);
+  if (matmul_calls) matmul_calls->push_back(call);
+}
+}  // namespace emu

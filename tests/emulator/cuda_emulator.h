@@ -32,6 +32,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #define SPEEDRUN_EMULATED 1
 
@@ -240,6 +241,24 @@ class LazyStreamsScope {
  private:
   bool before_;
 };
+
+// The emulated cublasLtMatmul's calls while a MatmulCalls lives (one at a time): each product
+// row-major, C[M, N] = op(A)[M, K] op(B)[K, N] as kernels/matmul.cuh's interface names it, and which
+// of the heuristic's answers it ran, so that a test sees which algorithm each product took.
+struct MatmulCall {
+  uint64_t M, N, K;
+  bool a_transposed, b_transposed;
+  int candidate;
+};
+class MatmulCalls {
+ public:
+  MatmulCalls();
+  ~MatmulCalls();
+  MatmulCalls(const MatmulCalls&) = delete;
+  MatmulCalls& operator=(const MatmulCalls&) = delete;
+  std::vector<MatmulCall> calls() const;
+};
+void record_matmul_call(const MatmulCall& call);
 
 // Records a launch error as cudaGetLastError reports it, for a configuration the GPU refuses;
 // otherwise fixes the launch's limits as they are at the call.

@@ -80,4 +80,61 @@ TEST_CASE("the backward is deterministic; evaluation (layers sharing buffers) gi
   CHECK(eval_loss == loss);
 }
 
+#ifdef SPEEDRUN_EMULATED
+// The emulated cuBLASLt tells which of its heuristic answers each product ran (every one computes
+// the same here: which one runs is all there is to check).
+TEST_CASE("the cuBLASLt candidates of --matmul-algorithms: each named product of every block takes its own in training") {
+  DeviceMemory memory;
+  GPT model(gpu_config(), memory);
+  const GPTConfig& c = model.config();
+  const int d = c.model_dim, F = c.mlp_dim();
+  Activations train(c, kT, /*backward=*/true, memory), eval(c, kT, false, memory);
+  load_weights(reference_config(), model, 11);
+  KernelPaths paths;
+  paths.matmul_algorithms = MatmulAlgorithms::parse("qkv.dw=1,attn-proj.fwd=2,mlp-proj.dx=3,mlp-proj.dw=1",
+                                                    Matmul::kMaxCandidates);
+  KernelPaths beyond = paths;  // the emulated heuristic offers 4 answers, the flag allows 16
+  beyond.matmul_algorithms.candidate[int(BlockLinear::mlp_fc)][int(LinearProduct::dw)] = 5;
+  model.set_paths(beyond);
+  CHECK_THROWS_WITH(model.plan_block_matmuls(train, kT), "--matmul-algorithms mlp-fc.dw=5: cuBLASLt offers 4 algorithms");
+  model.set_paths(paths);
+  model.plan_block_matmuls(train, kT);
+  const std::vector<uint16_t> tokens = synthetic_tokens(kT + 1, c.vocab_size, c.bos_token, 1.0 / 100, 12);
+  // (M, N, K, A transposed, B transposed) of each named product, as GPT::linear* make them; no other
+  // product has these (the MLP fc's have the bf16 head's shapes here, F = V = 1024: not named)
+  struct Named { uint64_t M, N, K; bool ta, tb; int candidate; int calls; };
+  const int attention_layers = int(std::count(c.has_attention.begin(), c.has_attention.end(), true));
+  const uint64_t T = kT, D = d, FF = F;
+  const Named named[] = {{3 * D, D, T, true, false, 1, attention_layers},  // qkv: dW += dqkv^T h
+                         {T, D, D, false, true, 2, attention_layers},      // attn proj: y W^T (+ x_mixed)
+                         {T, FF, D, false, false, 3, c.num_layers},        // mlp proj: dx W
+                         {D, FF, T, true, false, 1, c.num_layers}};        // mlp proj: dW += dx^T a
+  auto named_as = [&](const emu::MatmulCall& call) -> const Named* {
+    for (const Named& n : named)
+      if (call.M == n.M && call.N == n.N && call.K == n.K && call.a_transposed == n.ta && call.b_transposed == n.tb)
+        return &n;
+    return nullptr;
+  };
+  {
+    emu::MatmulCalls recorded;
+    gpu_loss(model, train, tokens);
+    std::vector<int> calls(std::size(named), 0);
+    int others = 0;
+    for (const emu::MatmulCall& call : recorded.calls()) {
+      const Named* n = named_as(call);
+      if (n) ++calls[n - named];
+      else ++others;
+      CHECK(call.candidate == (n ? n->candidate : 0));
+    }
+    std::printf("  training: %d calls of the named products, %d of the others (the heuristic's first)\n",
+                std::accumulate(calls.begin(), calls.end(), 0), others);
+    for (size_t i = 0; i < std::size(named); ++i) CHECK(calls[i] == named[i].calls);
+  }
+  emu::MatmulCalls recorded;
+  gpu_loss(model, eval, tokens);
+  CHECK(!recorded.calls().empty());
+  for (const emu::MatmulCall& call : recorded.calls()) CHECK(call.candidate == 0);  // evaluation: the first
+}
+#endif
+
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }
