@@ -515,24 +515,31 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (consumer == 0) my_turn();  // takes consumer 1's last hand-over: no arrival left at the exit
 }
 
-// P and dS of a 16 x 8N score tile: p = exp(scores - lse) where allowed (0 elsewhere),
-// ds = p (dp - delta). `query_of(row, col)` maps a fragment position to its query index within the
-// query tile and `key_of` to its key index within the kv tile (the dkv kernel's tiles are
-// transposed); q_start: the query tile's document starts.
+// P of a 16 x 8N score tile, in place: p = exp(scores - lse) where allowed (0 elsewhere).
+// `query_of(row, col)` maps a fragment position to its query index within the query tile and
+// `key_of` to its key index within the kv tile (the dkv kernel's tiles are transposed); q_start: the
+// query tile's document starts. It needs the scores alone, so the backwards run it while dP's
+// product (issued after the scores') is still on the tensor cores.
 template <int N, typename QueryOf, typename KeyOf>
-__device__ inline void softmax_backward(float (&s)[N][4], float (&dp)[N][4], const float* lse, const float* delta,
-                                        bool masked, int q0, int k0, const int32_t* q_start, QueryOf query_of,
-                                        KeyOf key_of) {
+__device__ inline void softmax_probabilities(float (&s)[N][4], const float* lse, bool masked, int q0, int k0,
+                                             const int32_t* q_start, QueryOf query_of, KeyOf key_of) {
 #pragma unroll
   for (int n = 0; n < N; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int tq = query_of(n, e);
       const bool allowed = !masked || RowBounds(q0 + tq, q_start[tq], k0).allows(key_of(n, e));
-      float p = allowed ? ptx::exp2_ftz(fmaf(s[n][e], kScaleLog2, -lse[tq] * kLog2e)) : 0.0f;
-      s[n][e] = p;
-      dp[n][e] = p * (dp[n][e] - delta[tq]);
+      s[n][e] = allowed ? ptx::exp2_ftz(fmaf(s[n][e], kScaleLog2, -lse[tq] * kLog2e)) : 0.0f;
     }
+}
+
+// dS = p (dp - delta) of the same tile, in dp's registers.
+template <int N, typename QueryOf>
+__device__ inline void score_gradients(const float (&p)[N][4], float (&dp)[N][4], const float* delta, QueryOf query_of) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[n][e] = p[n][e] * (dp[n][e] - delta[query_of(n, e)]);
 }
 
 // Per (query block, head): dq = scale sum_kv dS K over the listed kv blocks, 64 keys at a time.
@@ -563,9 +570,12 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
       float s[N][4], dp[N][4];
       wgmma_a_bt<kKeys>(s, q_tile, warpgroup_row, k_tile, half * kKeys);
       wgmma_a_bt<kKeys>(dp, dy_tile, warpgroup_row, v_tile, half * kKeys);
-      wgmma_wait_all(s, dp);  // (and the previous half's dq product)
-      softmax_backward(s, dp, q_lse, q_delta, masked, q0, k0, q_start, query_of,
-                       [&](int n, int e) { return half * kKeys + fragment_col(n, e); });
+      ptx::wgmma_wait<1>();  // the scores (and the previous half's dq product); dP's runs on beside P
+      fence_registers(s);
+      softmax_probabilities(s, q_lse, masked, q0, k0, q_start, query_of,
+                            [&](int n, int e) { return half * kKeys + fragment_col(n, e); });
+      wgmma_wait_all(dp);
+      score_gradients(s, dp, q_delta, query_of);
       wgmma_p_b<kKeys / 16>(dq_acc, dp, k_tile, half * kKeys);
     }
     wgmma_wait_all(dq_acc);  // before the barrier after which block j + 2 refills this stage
@@ -956,11 +966,14 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     }
     for (int half = 0; half < kTile / kQueries; ++half) {
       float st[N][4], dpt[N][4];  // [64 keys x 64 queries] per warpgroup
+      auto query_of = [&](int n, int e) { return half * kQueries + fragment_col(n, e); };
       wgmma_a_bt<kQueries>(st, k_tile, warpgroup_row, q_tile, half * kQueries);
       wgmma_a_bt<kQueries>(dpt, v_tile, warpgroup_row, dy_tile, half * kQueries);
-      wgmma_wait_all(st, dpt);
-      softmax_backward(st, dpt, q_lse, q_delta, masked, q0, k0, q_start,
-                       [&](int n, int e) { return half * kQueries + fragment_col(n, e); }, key_of);
+      ptx::wgmma_wait<1>();  // the scores; dP's product runs on beside P's exponentials
+      fence_registers(st);
+      softmax_probabilities(st, q_lse, masked, q0, k0, q_start, query_of, key_of);
+      wgmma_wait_all(dpt);
+      score_gradients(st, dpt, q_delta, query_of);
       wgmma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);  // under the barrier and the dS stores
       uint32_t ds[kQueries / 16][4];  // dS^T in bf16: dK's A fragments, and (fused) the dS tile's values
       pack_a_fragments(ds, dpt);
