@@ -901,6 +901,15 @@ __device__ inline void store_ds_transposed(bf16* ds_tile, const uint32_t (&ds)[k
 // shared memory as [queries][keys], and dS K is added to dq's partial sums (DqPartialSums) in turn.
 // With into_dqkv (fused_dq only) dq, dk and dv go through the backward of the QK norm, RoPE and the
 // value mix into grad.dqkv instead of dq, dk and dv (QkvGradient).
+// The fused backward into dq is persistent (a CTA an SM): each CTA takes items (head, kv block) by ticket
+// until none is left, the next one as its item's last query block starts, so that the next item's
+// first Q and dY tiles are copied during that block and its K and V tiles while dk and dv are
+// stored: no CTA starts with all four copies ahead of it (a CTA a wave did, ~17 waves a call).
+// Tickets still go out in increasing order and a CTA holds at most its current item and the next,
+// a larger one, so the smallest unfinished ticket is always some CTA's current item, whose waits are
+// all for smaller, finished ones: no cycle (a CTA not yet resident holds none). The two-kernel path's CTA has one
+// item, its block's; so has the into-dqkv variant's (a CTA an item, by ticket): its loop's state
+// cost it 68 bytes of spill at 255 registers.
 template <bool fused_dq, bool into_dqkv = false>
 __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                 const bf16* dy, const float* lse, const float* delta,
@@ -908,111 +917,143 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
                                                                 QkvGradient grad, AttentionTensors a,
                                                                 DeviceAttentionMask m) {
   static_assert(fused_dq || !into_dqkv, "dq's part rides on the fused backward's dq sums");
+  constexpr bool persistent = fused_dq && !into_dqkv;
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // K, V, per stage Q and dY, then (fused) dS
   bf16 *k_tile = tiles, *v_tile = tiles + kTileElements, *ds_tile = tiles + (2 + 2 * kStages) * kTileElements;
   __shared__ __align__(16) int32_t stage_start[kStages][kTile];  // the query tiles' document starts
   __shared__ __align__(16) float stage_lse[kStages][kTile], stage_delta[kStages][kTile];
-  __shared__ int work;  // the fused backward's (head, kv block), by ticket
+  __shared__ int ticket;  // the fused backward's next item, taken by thread 0
   __shared__ float2 dq_row_sums[into_dqkv ? 2 * kDsRows : 1];  // store_q_rows_into_dqkv's
   const DqOutput dq_out{dq, grad, reinterpret_cast<float*>(ds_tile), dq_row_sums};
+  const int items = m.num_blocks * a.H;
+  auto kb_of = [&](int item) { return m.num_blocks - 1 - item % m.num_blocks; };  // the last kv block first
+  int item = int(blockIdx.y) * m.num_blocks + m.num_blocks - 1 - int(blockIdx.x);  // the two-kernel path's
   if constexpr (fused_dq) {
-    if (threadIdx.x == 0) work = atomicAdd(dq_sums.ticket, 1);
+    if (threadIdx.x == 0) ticket = atomicAdd(dq_sums.ticket, 1);
     __syncthreads();
+    item = ticket;
+    __syncthreads();  // every thread has read it before thread 0 takes the next
   }
-  const int kb = fused_dq ? m.num_blocks - 1 - work % m.num_blocks : int(blockIdx.x);
-  const int h = fused_dq ? work / m.num_blocks : int(blockIdx.y);
-  const int warp = threadIdx.x / 32, k0 = kb * kTile, count = m.q_count[kb];
+  const int warp = threadIdx.x / 32;
   const int warpgroup_row = warp / 4 * 64;
   const int64_t dy_stride = int64_t(a.H) * kAttentionHeadDim;
-  auto q_block = [&](int j) { return m.q_index[kb * m.max_q + j]; };
-  auto q_tile_of = [&](int j) { return tiles + (2 + 2 * (j % kStages)) * kTileElements; };
-  auto load_q = [&](int j) {  // the j-th listed query block (Q, dY, starts, statistics) into stage j % kStages
-    const int q0 = q_block(j) * kTile, stage = j % kStages;
-    load_tile_async(q_tile_of(j), q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
-    load_tile_async(q_tile_of(j) + kTileElements, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
+  auto q_tile_of = [&](int stage) { return tiles + (2 + 2 * stage) * kTileElements; };
+  // The j-th query block listed for kv block kb (Q, dY, starts, statistics of head h) into `stage`.
+  auto load_q = [&](int kb, int h, int j, int stage) {
+    const int q0 = m.q_index[kb * m.max_q + j] * kTile;
+    load_tile_async(q_tile_of(stage), q + q0 * a.q_stride + h * kAttentionHeadDim, a.q_stride);
+    load_tile_async(q_tile_of(stage) + kTileElements, dy + q0 * dy_stride + h * kAttentionHeadDim, dy_stride);
     load_values_async(stage_start[stage], m.doc_start + q0, 0);
     load_values_async(stage_lse[stage], lse + size_t(h) * a.T + q0, 32);
     load_values_async(stage_delta[stage], delta + size_t(h) * a.T + q0, 64);
     ptx::cp_async_commit();
   };
-  load_tile_async(k_tile, k + k0 * a.k_stride + h * kAttentionHeadDim, a.k_stride);
-  load_tile_async(v_tile, v + k0 * a.v_stride + h * kAttentionHeadDim, a.v_stride);
-  if (count > 0) load_q(0);
+  if (item < items) {  // the first item's tiles
+    load_kv_tiles(k_tile, k, v, a, item / m.num_blocks, kb_of(item) * kTile);
+    if (m.q_count[kb_of(item)] > 0) load_q(kb_of(item), item / m.num_blocks, 0, 0);
+  }
   constexpr int kQueries = kDsRows, N = kQueries / 8;
-  float dk_acc[kAttentionHeadDim / 8][4], dv_acc[kAttentionHeadDim / 8][4];
-  zero(dk_acc);
-  zero(dv_acc);
   auto key_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
-  int* pending_turn = nullptr;  // the fused backward's last contribution, its counter not yet moved on
-  for (int j = 0; j < count; ++j) {
-    wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
-    if (j + 1 < count) load_q(j + 1);
-    const int qb = q_block(j), q0 = qb * kTile, stage = j % kStages;
-    const bf16 *q_tile = q_tile_of(j), *dy_tile = q_tile + kTileElements;
-    const int32_t* q_start = stage_start[stage];
-    const float *q_lse = stage_lse[stage], *q_delta = stage_delta[stage];
-    const bool masked = needs_mask(qb, kb, q_start[kTile - 1]);
-    if constexpr (into_dqkv) {  // the rows the tails read: raw q where this CTA ends dq, raw k, v and ve at the end
-      const int64_t raw_stride = 3 * int64_t(a.H) * kAttentionHeadDim;
-      if (m.q_turn[kb * m.max_q + j] + 1 == m.kv_count[qb])
-        prefetch_tile_rows(grad.qkv + grad.row(q0, 0, h, a.H), raw_stride);
-      if (j + 1 == count) {
-        prefetch_tile_rows(grad.qkv + grad.row(k0, 1, h, a.H), raw_stride);
-        prefetch_tile_rows(grad.qkv + grad.row(k0, 2, h, a.H), raw_stride);
-        const int64_t ve_stride = int64_t(a.H) * kAttentionHeadDim;  // [T, H, 128]
-        if (grad.ve) prefetch_tile_rows(grad.ve + (size_t(k0) * a.H + h) * kAttentionHeadDim, ve_stride);
+  // use: the query blocks this CTA walked before the item (block j's stage is (use + j) % kStages)
+  for (int use = 0; item < items;) {
+    const int kb = kb_of(item), h = item / m.num_blocks, k0 = kb * kTile, count = m.q_count[kb];
+    auto take_next_ticket = [&] {  // by thread 0, before a barrier
+      if (persistent && threadIdx.x == 0) ticket = atomicAdd(dq_sums.ticket, 1);
+    };
+    auto q_block = [&](int j) { return m.q_index[kb * m.max_q + j]; };
+    float dk_acc[kAttentionHeadDim / 8][4], dv_acc[kAttentionHeadDim / 8][4];
+    zero(dk_acc);
+    zero(dv_acc);
+    int* pending_turn = nullptr;  // the fused backward's last contribution, its counter not yet moved on
+    for (int j = 0; j < count; ++j) {
+      if (j + 1 == count) take_next_ticket();
+      wait_tiles();  // block j is in; every warp is done with block j - 1, whose stage block j + 1 takes
+      if (j + 1 < count) {
+        load_q(kb, h, j + 1, (use + j + 1) % kStages);
+      } else if constexpr (persistent) {  // the next item's first query block into the other stage
+        const int next = ticket;
+        if (next < items && m.q_count[kb_of(next)] > 0) load_q(kb_of(next), next / m.num_blocks, 0, (use + count) % kStages);
+      }
+      const int qb = q_block(j), q0 = qb * kTile, stage = (use + j) % kStages;
+      const bf16 *q_tile = q_tile_of(stage), *dy_tile = q_tile + kTileElements;
+      const int32_t* q_start = stage_start[stage];
+      const float *q_lse = stage_lse[stage], *q_delta = stage_delta[stage];
+      const bool masked = needs_mask(qb, kb, q_start[kTile - 1]);
+      if constexpr (into_dqkv) {  // the rows the tails read: raw q where this CTA ends dq, raw k, v and ve at the end
+        const int64_t raw_stride = 3 * int64_t(a.H) * kAttentionHeadDim;
+        if (m.q_turn[kb * m.max_q + j] + 1 == m.kv_count[qb])
+          prefetch_tile_rows(grad.qkv + grad.row(q0, 0, h, a.H), raw_stride);
+        if (j + 1 == count) {
+          prefetch_tile_rows(grad.qkv + grad.row(k0, 1, h, a.H), raw_stride);
+          prefetch_tile_rows(grad.qkv + grad.row(k0, 2, h, a.H), raw_stride);
+          const int64_t ve_stride = int64_t(a.H) * kAttentionHeadDim;  // [T, H, 128]
+          if (grad.ve) prefetch_tile_rows(grad.ve + (size_t(k0) * a.H + h) * kAttentionHeadDim, ve_stride);
+        }
+      }
+      for (int half = 0; half < kTile / kQueries; ++half) {
+        float st[N][4], dpt[N][4];  // [64 keys x 64 queries] per warpgroup
+        auto query_of = [&](int n, int e) { return half * kQueries + fragment_col(n, e); };
+        wgmma_a_bt<kQueries>(st, k_tile, warpgroup_row, q_tile, half * kQueries);
+        wgmma_a_bt<kQueries>(dpt, v_tile, warpgroup_row, dy_tile, half * kQueries);
+        ptx::wgmma_wait<1>();  // the scores; dP's product runs on beside P's exponentials
+        fence_registers(st);
+        softmax_probabilities(st, q_lse, masked, q0, k0, q_start, query_of, key_of);
+        wgmma_wait_all(dpt);
+        score_gradients(st, dpt, q_delta, query_of);
+        wgmma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);  // under the barrier and the dS stores
+        uint32_t ds[kQueries / 16][4];  // dS^T in bf16: dK's A fragments, and (fused) the dS tile's values
+        pack_a_fragments(ds, dpt);
+        if constexpr (fused_dq) {
+          __syncthreads();  // both warpgroups' dq products of the previous half are done with the dS tile
+          release_dq_turn(pending_turn);  // the previous half's sums are in (that barrier)
+          pending_turn = nullptr;
+          store_ds_transposed(ds_tile, ds, warp);
+        }
+        wgmma_p_b<kQueries / 16>(dk_acc, ds, q_tile, half * kQueries);
+        if constexpr (fused_dq) {
+          ptx::fence_proxy_async_shared();
+          __syncthreads();  // the whole dS half is in
+          float dq_part[kDsRows / 8][4];
+          wgmma_ds_k(dq_part, ds_tile, k_tile, warp / 4);
+          wgmma_wait_all(dv_acc, dk_acc, dq_part);
+          pending_turn = add_dq_contribution<into_dqkv>(dq_part, dq_sums, dq_out, a, h, q0 + half * kQueries,
+                                                           m.q_turn[kb * m.max_q + j], m.kv_count[qb]);
+        } else {
+          // now, not at the next half: P and dS in flight beside the next scores would spill registers
+          wgmma_wait_all(dv_acc, dk_acc);
+        }
       }
     }
-    for (int half = 0; half < kTile / kQueries; ++half) {
-      float st[N][4], dpt[N][4];  // [64 keys x 64 queries] per warpgroup
-      auto query_of = [&](int n, int e) { return half * kQueries + fragment_col(n, e); };
-      wgmma_a_bt<kQueries>(st, k_tile, warpgroup_row, q_tile, half * kQueries);
-      wgmma_a_bt<kQueries>(dpt, v_tile, warpgroup_row, dy_tile, half * kQueries);
-      ptx::wgmma_wait<1>();  // the scores; dP's product runs on beside P's exponentials
-      fence_registers(st);
-      softmax_probabilities(st, q_lse, masked, q0, k0, q_start, query_of, key_of);
-      wgmma_wait_all(dpt);
-      score_gradients(st, dpt, q_delta, query_of);
-      wgmma_p_b<kQueries / 16>(dv_acc, st, dy_tile, half * kQueries);  // under the barrier and the dS stores
-      uint32_t ds[kQueries / 16][4];  // dS^T in bf16: dK's A fragments, and (fused) the dS tile's values
-      pack_a_fragments(ds, dpt);
-      if constexpr (fused_dq) {
-        __syncthreads();  // both warpgroups' dq products of the previous half are done with the dS tile
-        release_dq_turn(pending_turn);  // the previous half's sums are in (that barrier)
-        pending_turn = nullptr;
-        store_ds_transposed(ds_tile, ds, warp);
-      }
-      wgmma_p_b<kQueries / 16>(dk_acc, ds, q_tile, half * kQueries);
-      if constexpr (fused_dq) {
-        ptx::fence_proxy_async_shared();
-        __syncthreads();  // the whole dS half is in
-        float dq_part[kDsRows / 8][4];
-        wgmma_ds_k(dq_part, ds_tile, k_tile, warp / 4);
-        wgmma_wait_all(dv_acc, dk_acc, dq_part);
-        pending_turn = add_dq_contribution<into_dqkv>(dq_part, dq_sums, dq_out, a, h, q0 + half * kQueries,
-                                                         m.q_turn[kb * m.max_q + j], m.kv_count[qb]);
-      } else {
-        // now, not at the next half: P and dS in flight beside the next scores would spill registers
-        wgmma_wait_all(dv_acc, dk_acc);
+    int next = items;
+    if constexpr (fused_dq) {
+      if (count == 0) take_next_ticket();
+      __syncthreads();  // the last half's sums are in; every warp is done with the K and V tiles
+      release_dq_turn(pending_turn);
+    }
+    if constexpr (persistent) {
+      next = ticket;
+      __syncthreads();  // every thread has read it before thread 0 takes the one after
+      if (next < items) {  // its K and V tiles (and its first Q, unless its last block did) while dk and dv are stored
+        load_kv_tiles(k_tile, k, v, a, next / m.num_blocks, kb_of(next) * kTile);
+        if (count == 0 && m.q_count[kb_of(next)] > 0)
+          load_q(kb_of(next), next / m.num_blocks, 0, (use + count) % kStages);
       }
     }
-  }
-  if constexpr (fused_dq) {
-    __syncthreads();  // the last half's sums are in
-    release_dq_turn(pending_turn);
-  }
-  if constexpr (into_dqkv) {  // dv first: its registers are free for dk's norm
-    const float2 shares = store_v_rows_into_dqkv(dv_acc, k0 + warp * 16, h, a.H, grad);
-    const float sum_raw = block_sum(shares.x), sum_ve = block_sum(shares.y);  // in a fixed order
-    if (threadIdx.x == 0) {
-      grad.value_mix_partials[h * m.num_blocks + kb] = sum_raw;
-      grad.value_mix_partials[(a.H + h) * m.num_blocks + kb] = sum_ve;
+    if constexpr (into_dqkv) {  // dv first: its registers are free for dk's norm
+      const float2 shares = store_v_rows_into_dqkv(dv_acc, k0 + warp * 16, h, a.H, grad);
+      const float sum_raw = block_sum(shares.x), sum_ve = block_sum(shares.y);  // in a fixed order
+      if (threadIdx.x == 0) {
+        grad.value_mix_partials[h * m.num_blocks + kb] = sum_raw;
+        grad.value_mix_partials[(a.H + h) * m.num_blocks + kb] = sum_ve;
+      }
+      store_k_rows_into_dqkv(dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, grad);
+    } else {
+      store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
+      store_rows(dv, dv_acc, k0 + warp * 16, h, a.H, 1.0f, 1.0f);
     }
-    store_k_rows_into_dqkv(dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, grad);
-  } else {
-    store_rows(dk, dk_acc, k0 + warp * 16, h, a.H, kAttentionScale, kAttentionScale);
-    store_rows(dv, dv_acc, k0 + warp * 16, h, a.H, 1.0f, 1.0f);
+    use += count;
+    item = next;
   }
 }
 
@@ -1117,7 +1158,9 @@ void launch_fused_backward(const bf16* q, const bf16* k, const bf16* v, const bf
   CUDA_CHECK(cudaMemsetAsync(counters, 0, (1 + statistics / flash::kDsRows) * sizeof(int), stream));
   const size_t smem = flash::kFusedBackwardSharedBytes;
   flash::set_shared_memory(flash::backward_dkv_kernel<true, into_dqkv>, smem);
-  flash::backward_dkv_kernel<true, into_dqkv><<<dim3(a.T / flash::kTile, a.H), flash::kThreads, smem, stream>>>(
+  // into dq persistent, a CTA an SM (its shared memory allows one); into dqkv a CTA an item
+  const int items = a.T / flash::kTile * a.H, ctas = into_dqkv ? items : std::min(items, multiprocessor_count());
+  flash::backward_dkv_kernel<true, into_dqkv><<<ctas, flash::kThreads, smem, stream>>>(
       q, k, v, dy, lse, scratch, dq, dk, dv, sums, grad, a, mask.device());
   CUDA_CHECK_LAUNCH();
 }
