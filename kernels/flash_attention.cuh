@@ -588,11 +588,12 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, co
 // order (the mask's q_turn): the first stores, the next ones add (fp32 reductions at L2), the last
 // reads the sum back, adds its own and writes dq in bf16. Each contributor waits until the half's
 // counter reaches its turn, so the fp32 sums happen in one order on every run: dq is bitwise
-// deterministic. CTAs take (head, kv block) in the order of a ticket, from the last kv block down:
-// a CTA only ever waits for CTAs that started before it, so the waits cannot deadlock.
+// deterministic. CTAs take their items (head, kv block) in the order of a ticket, from the last kv
+// block down: a contribution only ever waits for items with smaller tickets, taken up before it, so
+// the waits cannot deadlock (backward_dkv_kernel says why, for CTAs that walk several items).
 struct DqPartialSums {
   float* sums;  // [H, T, 128]
-  int* ticket;  // the CTAs' start order (zero at the launch)
+  int* ticket;  // the items' start order (zero at the launch)
   int* turns;   // [H, T / 64]: contributions added so far to each (head, 64 queries) (zero at the launch)
 };
 // A turn that never comes (a scheduling bug) traps after 2^30 polls (minutes: each sleeps up to twice
@@ -1165,7 +1166,7 @@ void launch_fused_backward(const bf16* q, const bf16* k, const bf16* v, const bf
   CUDA_CHECK_LAUNCH();
 }
 
-// The fused backward: one kernel per (kv block, head) computes dk, dv and dq's contributions from
+// The fused backward: one kernel computes, per (kv block, head), dk, dv and dq's contributions from
 // one pass over the scores (5 products a tile); dq summed in a fixed order (DqPartialSums).
 // scratch: attention_backward_scratch_floats(T, H); dq, dk, dv: [T, H, 128]
 inline void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
