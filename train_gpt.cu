@@ -276,7 +276,9 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "which of cuBLASLt's heuristic algorithms the blocks' products take in training: linear.product=N items "
        "joined by commas (linear: qkv, attn-proj, mlp-fc or mlp-proj; product: fwd, dx or dw), e.g. "
        "mlp-fc.dw=2,qkv.dx=1; the rest take 0, the heuristic's first; first: all do. `bench_kernels matmul` times "
-       "each at the model's shape and prints the fastest as this value",
+       "each at the record's shapes (T = 49,152) and prints the fastest reproducible ones as this value: positions "
+       "in cuBLASLt's answers for those shapes on that GPU and library (drop the products --qkv or --mlp-fc fused "
+       "give to our GEMM)",
        nullptr, ""},
       {"self-check", &h.self_check,
        "check the fast paths at start-up: fallback (a failing one's reference), strict (exit 6), off",
@@ -1250,12 +1252,14 @@ class GPT {
                            Shape{BlockLinear::attn_proj, ParamKind::attn_proj, d, d, true},
                            Shape{BlockLinear::mlp_fc, ParamKind::mlp_fc, F, d, false},
                            Shape{BlockLinear::mlp_proj, ParamKind::mlp_proj, d, F, true}}) {
-      const bf16 *w = params.weight(s.kind, 0), *x = acts.x0;
-      float* dw = params.grad(s.kind, 0);
       for (LinearProduct p : {LinearProduct::fwd, LinearProduct::dx, LinearProduct::dw}) {
         MatmulOptions o;
         o.candidate = chosen.of(s.linear, p);
         if (o.candidate == 0) continue;
+        const Param& first = *std::find_if(params.list.begin(), params.list.end(),
+                                           [&](const Param& q) { return q.kind == s.kind; });
+        const bf16 *w = params.weight(s.kind, first.layer), *x = acts.x0;
+        float* dw = params.grad(s.kind, first.layer);
         if (p == LinearProduct::fwd && s.residual && paths_.fused_residual_add) o.addend = x;
         try {
           if (p == LinearProduct::fwd) matmul_.plan_only(x, Transpose::N, w, Transpose::T, x, T, s.n, s.k, CUDA_R_16BF, o);

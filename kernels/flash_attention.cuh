@@ -596,10 +596,12 @@ struct DqPartialSums {
   int* ticket;  // the items' start order (zero at the launch)
   int* turns;   // [H, T / 64]: contributions added so far to each (head, 64 queries) (zero at the launch)
 };
-// A turn that never comes (a scheduling bug) traps after 2^30 polls (minutes: each sleeps up to twice
-// its 64 ns and reads L2), long past any honest wait (a CTA waits for CTAs already running), even
-// under time-slicing or a debugger.
-constexpr unsigned kMaxTurnPolls = 1u << 30;
+// A turn that never comes (a scheduling bug) traps after 2^24 polls: each reads L2 (0.3-1 us under
+// load) and sleeps up to twice 64 ns, so 5-20 s, long past any honest wait (for an item a running
+// CTA has taken: tens of microseconds; milliseconds under time-slicing) and short beside a device
+// call's 10 minutes (2^30, before, would have taken all of them). A debugger stopping one CTA for
+// longer trips it.
+constexpr unsigned kMaxTurnPolls = 1u << 24;
 
 // Thread 0 waits until `counter` reaches `turn`: every contribution before this CTA's is in.
 __device__ inline void wait_for_turn(const int* counter, int turn) {
@@ -950,9 +952,11 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     load_values_async(stage_delta[stage], delta + size_t(h) * a.T + q0, 64);
     ptx::cp_async_commit();
   };
-  if (item < items) {  // the first item's tiles
+  // An item without query blocks reads nothing (it stores zeros): no copies for it, so that none of
+  // its copies is still in flight when the next item's K and V are copied into the same tiles.
+  if (item < items && m.q_count[kb_of(item)] > 0) {  // the first item's tiles
     load_kv_tiles(k_tile, k, v, a, item / m.num_blocks, kb_of(item) * kTile);
-    if (m.q_count[kb_of(item)] > 0) load_q(kb_of(item), item / m.num_blocks, 0, 0);
+    load_q(kb_of(item), item / m.num_blocks, 0, 0);
   }
   constexpr int kQueries = kDsRows, N = kQueries / 8;
   auto key_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
@@ -1035,10 +1039,11 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
     if constexpr (persistent) {
       next = ticket;
       __syncthreads();  // every thread has read it before thread 0 takes the one after
-      if (next < items) {  // its K and V tiles (and its first Q, unless its last block did) while dk and dv are stored
+      // the next item's K and V tiles (and its first Q, unless this item's last block did) while dk and
+      // dv are stored
+      if (next < items && m.q_count[kb_of(next)] > 0) {
         load_kv_tiles(k_tile, k, v, a, next / m.num_blocks, kb_of(next) * kTile);
-        if (count == 0 && m.q_count[kb_of(next)] > 0)
-          load_q(kb_of(next), next / m.num_blocks, 0, (use + count) % kStages);
+        if (count == 0) load_q(kb_of(next), next / m.num_blocks, 0, (use + count) % kStages);
       }
     }
     if constexpr (into_dqkv) {  // dv first: its registers are free for dk's norm
