@@ -75,7 +75,11 @@ STAND_INS = {
         case $1 in
           --version) echo "cmake version 3.31.6" ;;
           --preset) mkdir -p build && touch build/CMakeCache.txt ;;
-          --build) [[ -z ${FAKE_BUILD_FAILS:-} ]] || { echo "error: nvcc failed"; exit 1; } ;;
+          --build) [[ -z ${FAKE_BUILD_FAILS:-} ]] || { echo "error: nvcc failed"; exit 1; }
+                   if [[ -n ${FAKE_BUILD_MAKES:-} ]]; then  # the targets, as files: "made by <folder>"
+                     for ((i = 1; i <= $#; i++)); do [[ ${!i} == --target ]] && break; done
+                     for target in "${@:i+1}"; do echo "made by $(basename "$PWD")" >"$2/$target"; done
+                   fi ;;
         esac
         """,
     # ctest: CTest's lines for the fast or the slow tests; FAKE_FAILING_TEST fails that one.
@@ -350,6 +354,38 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("building gpu_tests and bench_kernels failed: nothing staged", result.stderr)
         self.assertFalse(os.path.exists(os.path.join(self.repo, ".carry", "build")))  # the earlier staging is gone
 
+    def test_staging_a_baseline_builds_that_commits_trainer_and_bench_in_a_worktree(self):
+        git = lambda *args: subprocess.run(["git", "-C", self.repo, "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+        git("init", "-q")
+        git("add", "-A")
+        git("commit", "-qm", "the baseline")
+        revision = git("rev-parse", "HEAD")
+        environment = dict(os.environ, PATH=os.path.join(self.repo, "bin") + os.pathsep + os.environ["PATH"],
+                           FAKE_CALLS=self.calls, FAKE_BUILD_MAKES="1")
+        run = lambda **env: subprocess.run(["bash", os.path.join(self.repo, "tools", "stage_build.sh")],
+                                           capture_output=True, text=True, timeout=60, env=dict(environment, **env))
+        result = run(SPEEDRUN_BASELINE="HEAD")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn(f".carry/baseline: the trainer and bench_kernels of {revision[:7]}", result.stdout)
+        self.assertIn("cmake --build build -j 2 --target train_gpt bench_kernels", self.commands())
+        baseline = os.path.join(self.repo, ".carry", "baseline")
+        self.assertEqual(self.read(os.path.join(baseline, "REVISION")).strip(), revision)
+        for target in ("train_gpt", "bench_kernels"):  # built in the worktree, not in this checkout's build/
+            self.assertEqual(self.read(os.path.join(baseline, target)).strip(), "made by src")
+        self.assertEqual(len(git("worktree", "list").splitlines()), 1)  # the worktree is gone
+        result = run()  # carried as it is, and said so
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn(f"the trainer and bench_kernels of {revision[:7]}", result.stdout)
+        result = run(SPEEDRUN_BASELINE="no-such-commit")
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("SPEEDRUN_BASELINE=no-such-commit is not a commit of this repository", result.stderr)
+        self.assertFalse(os.path.exists(baseline))  # no stale baseline carried by mistake
+        result = run(SPEEDRUN_BASELINE="HEAD", FAKE_BUILD_FAILS="1")
+        self.assertEqual(result.returncode, 1)
+        self.assertIn(f"building the baseline {revision[:7]}'s train_gpt and bench_kernels failed", result.stderr)
+        self.assertEqual(len(git("worktree", "list").splitlines()), 1)
+
     def test_a_trainer_without_the_self_check_is_reported_as_missing(self):
         status, report, _ = self.acceptance("self-check", gpus=1, FAKE_SELF_CHECK="unknown")
         self.assertEqual(status, 1)
@@ -423,6 +459,41 @@ class AcceptanceTest(unittest.TestCase):
         self.assertRegex(report, r"\| ours --attention flash-split, M = 8 \| 20 \| \d+ \| 730.0 \|")
         self.assertTrue(os.path.isdir(os.path.join(os.path.splitext(self.report)[0], "anchor",
                                                    "ours_M8___attention_flash_split")))
+
+    def test_a_staged_baseline_runs_beside_the_trainer_in_the_anchor_and_bench_phases(self):
+        baseline = os.path.join(self.repo, ".carry", "baseline")
+        os.makedirs(baseline)
+        for name, text in (("train_gpt", f"#!{sys.executable}\n" + textwrap.dedent(PROGRAM.replace("STEP_MS", "100 * M"))),
+                           ("bench_kernels", textwrap.dedent(STAND_INS["build/bench_kernels"]).replace("0.056", "0.070")
+                            + 'echo "| fp8 transpose e5m2 grad [8192, 50304] x6 | 1.730 | 2.86 TB/s | 67.6% |"\n'
+                            + 'echo "|   its fastest: candidate 1 | 0.200 | x |"\necho "|   its fastest: candidate 1 | 0.300 | x |"\n')):
+            with open(os.path.join(baseline, name), "w") as f:
+                f.write(text)
+            os.chmod(os.path.join(baseline, name), 0o755)
+        with open(os.path.join(baseline, "REVISION"), "w") as f:
+            f.write("da7bc95f00000000000000000000000000000000\n")
+        with open(os.path.join(self.repo, "build", "bench_kernels"), "a") as f:  # a row the baseline lacks
+            f.write('echo "|   its fastest: candidate 1 | 0.100 | x |"\necho "| mix norm bwd | 0.150 | x |"\n')
+        status, report, output = self.acceptance("anchor", "bench", gpus=1, ANCHOR_RUNS="8:20",
+                                                 ANCHOR_VARIANTS="--attention flash-split")
+        self.assertEqual(status, 0, output)
+        programs = self.read(self.calls + ".programs").splitlines()
+        self.assertEqual([p.split()[0] for p in programs], ["train_gpt", "record_pytorch.py", "train_gpt", "train_gpt"])
+        self.assertIn("--micro-batches 8 --num-iterations 20 --val-every 0", programs[3])  # the trainer's flags
+        self.assertRegex(report, r"\| baseline da7bc95, M = 8 \| 20 \| \d+ \| 800.0 \|")
+        self.assertIn("| M = 8, baseline da7bc95 | 800.0 | 785.0 | 1.019 |", report)
+        self.assertIn("beside the baseline da7bc95 (below 1: faster now):\n\n| M | ours ms | baseline ms | ours / baseline |\n"
+                      "|---|---|---|---|\n| M = 8 | 730.0 | 800.0 | 0.912 |", report)
+        # the bench: only the rows both tables name once
+        self.assertIn("### Beside the baseline da7bc95", report)
+        self.assertIn("|---|---|---|---|\n| rmsnorm fwd [49152, 768] | 0.056 | 0.070 | 0.800 |\n", report)
+        self.assertNotIn("| mix norm bwd |", report.split("### Beside the baseline")[1])
+        self.assertNotIn("its fastest", report.split("### Beside the baseline")[1])
+        # without a staging, neither runs
+        shutil.rmtree(baseline)
+        status, report, output = self.acceptance("anchor", "bench", gpus=1, ANCHOR_RUNS="8:20")
+        self.assertEqual(status, 0, output)
+        self.assertNotIn("baseline", report.split("## Machine")[-1])  # (the report goes on from call to call)
 
     def test_anchor_runs_choose_the_runs_and_a_malformed_one_is_refused_before_any_phase(self):
         status, report, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20",

@@ -8,7 +8,8 @@
 #   slow        the slow gpu tests side by side (ctest -L slow -j 3): minutes of CPU reference each
 #   smoke       the trainer's 30-step smoke run on the bundled sample (tests/gpu/smoke_run.sh)
 #   self-check  the trainer's start-up self-check on each GPU (--self-check strict --self-check-only)
-#   bench       our kernel benchmark, then PyTorch's ops beside it (the ratios)
+#   bench       our kernel benchmark, then PyTorch's ops beside it (the ratios); with a staged baseline,
+#               its bench_kernels too, and the rows both name side by side (now / baseline)
 #   anchor      record #25's own PyTorch code beside the trainer on this GPU, the trainer first: 20
 #               steps at M = 8 and 60 at M = 1 on the offline corpus, each program's mean step, and
 #               the ratio (tools/record_pytorch.py; the corpus and the record's file staged by
@@ -17,6 +18,9 @@
 #               version behind a flag, measured in the same call); ANCHOR_RUNS="M:N ..." other runs
 #               than "8:20 1:60" (each run costs about 45 s of the trainer, 40-150 s of the record's
 #               code: "8:20" alone fits five variants into one device call)
+#               A baseline staged by tools/stage_build.sh (SPEEDRUN_BASELINE: an earlier commit's
+#               trainer and bench_kernels in .carry/baseline/) runs too, after the variants, and a
+#               table gives ours / baseline: the step before and after, on one card in one call
 #   profile     every kernel's time in step 5 of 6 at M = 8, the trainer's and the record code's
 #               (tools/kernel_profile.so through --profile-step; tools/profile_summary.py), and where
 #               ncu reads hardware counters, those of the attention and cross-entropy kernels
@@ -72,6 +76,8 @@ if [[ -n ${SPEEDRUN_PREBUILT:-} && ! -x build/train_gpt && -x .carry/build/train
 fi
 [[ -n ${SPEEDRUN_PREBUILT:-} ]] && export SPEEDRUN_TRAINER=$PWD/build/train_gpt
 trainer=${SPEEDRUN_TRAINER:-build/train_gpt}
+baseline=.carry/baseline  # tools/stage_build.sh's SPEEDRUN_BASELINE: an earlier commit's trainer and bench
+baseline_revision() { cut -c1-7 "$baseline/REVISION" 2>/dev/null || echo "(commit unknown)"; }
 trap 'rm -rf "$work"' EXIT
 
 # The GPUs this process may use: CUDA_VISIBLE_DEVICES's list when it is set, else all that
@@ -342,11 +348,12 @@ anchor_record() {
 # steps of M micro-sequences on the corpus, its log into the folder; the record's code with each
 # step line synchronised (as the trainer's are) and no validation.
 run_program() {
-  local who=$1 M=$2 N=$3 dir=$4
+  local who=$1 M=$2 N=$3 dir=$4 program=$trainer
   shift 4
   mkdir -p "$dir"
-  if [[ $who == ours ]]; then
-    capture "$dir/console.txt" "$trainer" "${corpus_flags[@]}" --micro-batches "$M" --num-iterations "$N" \
+  [[ $who == baseline ]] && program=$baseline/train_gpt
+  if [[ $who == ours || $who == baseline ]]; then
+    capture "$dir/console.txt" "$program" "${corpus_flags[@]}" --micro-batches "$M" --num-iterations "$N" \
       --val-every 0 --val-tokens 262144 --warmup-steps 3 --seed 1 --log-dir "$dir" \
       --checkpoint-dir "$work/checkpoints_$who" "$@"
   else
@@ -394,7 +401,7 @@ phase_anchor() {
   build_targets train_gpt || return 1
   need_corpus || return 1
   record=$(anchor_record) || return 1
-  local run M N who start mean means failed=0 rows=() variant variants=() flags label
+  local run M N who start mean means failed=0 rows=() variant variants=() flags label against=()
   IFS=';' read -ra variants <<<"${ANCHOR_VARIANTS:-}"
   say "" "The trainer and record #25's own code (\`$record\`, run by tools/record_pytorch.py: M batches of its" \
     "own loader per step, each \`(loss / M).backward()\`, its step lines synchronised as the trainer's are, no" \
@@ -426,11 +433,22 @@ phase_anchor() {
         rows+=("| M = $M, $label | $mean | ${means[1]} | $(awk -v a="$mean" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
       fi
     done
+    [[ -x $baseline/train_gpt ]] || continue
+    label="baseline $(baseline_revision)" start=$SECONDS
+    mean=$(anchor_run baseline "$M" "$N" "$logs/anchor/baseline_M$M") || failed=1
+    say "| $label, M = $M | $N | $((SECONDS - start)) | $mean |"
+    [[ $mean == FAILED* ]] && continue
+    [[ -n ${means[1]} ]] &&
+      rows+=("| M = $M, $label | $mean | ${means[1]} | $(awk -v a="$mean" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
+    [[ -n ${means[0]} ]] &&
+      against+=("| M = $M | ${means[0]} | $mean | $(awk -v a="${means[0]}" -v b="$mean" 'BEGIN { printf "%.3f", a / b }') |")
   done
   say "" "Side by side on $(nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader |
     head -1 | cut -d, -f2 | sed 's/^ *//'), $(date +%F) (mean step," \
     "warm-up excluded; below 1: the trainer is faster):" "" "| M | ours ms | record code ms | ours / record |" \
     "|---|---|---|---|" "${rows[@]}"
+  ((${#against[@]})) && say "" "The trainer before and after: beside the baseline $(baseline_revision) (below 1: faster now):" "" \
+    "| M | ours ms | baseline ms | ours / baseline |" "|---|---|---|---|" "${against[@]}"
   return "$failed"
 }
 
@@ -508,7 +526,24 @@ phase_bench() {
   say "" "### Beside PyTorch (\`tools/bench_torch.py\`; ours / torch below 1: ours is faster)" ""
   say "$(grep -m1 -E '^[^|].*PyTorch' "$work/bench_torch.txt")" "" "$(grep '^|' "$work/bench_torch.txt")"
   ((status == 0)) || say "" "bench_torch.py FAILED (exit $status): $(tail -1 "$work/bench_torch.txt")"
+  [[ -x $baseline/bench_kernels ]] || return "$status"
+  capture "$work/bench_baseline.txt" "$baseline/bench_kernels" 20 || status=1
+  say "" "### Beside the baseline $(baseline_revision) (its \`bench_kernels 20\`, the same call; the rows both name" \
+    "once; now / baseline below 1: faster now)" "" "| row | now ms | baseline ms | now / baseline |" "|---|---|---|---|" \
+    "$(paired_bench_rows "$work/bench_kernels.txt" "$work/bench_baseline.txt")"
   return "$status"
+}
+
+# The rows of bench_kernels' tables `now` and `before` that each names once (a repeated name, such as
+# "its fastest: candidate 1", is no one row), in now's order: | row | now ms | before ms | ratio |.
+paired_bench_rows() {
+  awk -F'|' 'function trim(s) { gsub(/^ +| +$/, "", s); return s }
+    NF >= 4 && trim($3) ~ /^[0-9.]+$/ { name = trim($2); seen[FILENAME, name]++; ms[FILENAME, name] = trim($3)
+                                        if (FILENAME == now && seen[now, name] == 1) order[++rows] = name }
+    END { for (i = 1; i <= rows; ++i) { name = order[i]
+            if (seen[now, name] == 1 && seen[before, name] == 1 && ms[before, name] > 0)
+              printf "| %s | %s | %s | %.3f |\n", name, ms[now, name], ms[before, name], ms[now, name] / ms[before, name] } }' \
+    now="$1" before="$2" "$1" "$2"
 }
 
 environment

@@ -11,9 +11,29 @@
 # gpu tests that compile the whole trainer are not part of `all`, so a plain build leaves them as
 # an earlier build made them, and they would be carried stale. Usage: tools/stage_build.sh
 # (SPEEDRUN_STAGE_JOBS: the build's parallel jobs, default 2).
+# SPEEDRUN_BASELINE=<commit>: also builds that commit's trainer and bench_kernels (in a git worktree
+# with a build/ of its own) into .carry/baseline/, its commit in .carry/baseline/REVISION, so that
+# acceptance.sh's anchor and bench phases run them beside this build in the same call: the before
+# and after of every change since, on one card. Without it a baseline staged earlier is carried as it
+# is (this script says which).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .carry/build  # a failure below leaves no earlier staging to be carried by mistake
+if [[ -n ${SPEEDRUN_BASELINE:-} ]]; then
+  rm -rf .carry/baseline
+  baseline=$(git rev-parse --verify -q "${SPEEDRUN_BASELINE}^{commit}") ||
+    { echo "error: SPEEDRUN_BASELINE=$SPEEDRUN_BASELINE is not a commit of this repository" >&2; exit 1; }
+  tree=$(mktemp -d)
+  trap 'git worktree remove --force "$tree/src" >/dev/null 2>&1; rm -rf "$tree"' EXIT
+  git worktree add -q --detach "$tree/src" "$baseline"
+  (cd "$tree/src" && cmake --preset release >/dev/null &&
+    cmake --build build -j "${SPEEDRUN_STAGE_JOBS:-2}" --target train_gpt bench_kernels >/dev/null) ||
+    { echo "error: building the baseline ${baseline:0:7}'s train_gpt and bench_kernels failed" >&2; exit 1; }
+  mkdir -p .carry/baseline
+  cp -p "$tree/src/build/train_gpt" "$tree/src/build/bench_kernels" .carry/baseline/
+  echo "$baseline" >.carry/baseline/REVISION
+fi
+[[ -f .carry/baseline/REVISION ]] && echo ".carry/baseline: the trainer and bench_kernels of $(cut -c1-7 .carry/baseline/REVISION)"
 if [[ -f build/CMakeCache.txt ]]; then
   cmake --build build -j "${SPEEDRUN_STAGE_JOBS:-2}" --target gpu_tests bench_kernels ||
     { echo "error: building gpu_tests and bench_kernels failed: nothing staged" >&2; exit 1; }
