@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 import unittest
@@ -226,6 +227,11 @@ class AcceptanceTest(unittest.TestCase):
         with open(path) as f:
             return f.read()
 
+    def staged(self, archive):
+        """The files of a .carry archive, sorted."""
+        with tarfile.open(os.path.join(self.repo, ".carry", archive)) as tar:
+            return sorted(os.path.normpath(m.name) for m in tar.getmembers() if m.isfile())
+
     def commands(self):
         """The cmake and ctest command lines, one a line."""
         return self.read(self.calls + ".commands")
@@ -326,9 +332,8 @@ class AcceptanceTest(unittest.TestCase):
                                 text=True, timeout=60)
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("of the carry's 64", result.stdout)
-        staged = sorted(os.path.relpath(os.path.join(d, f), os.path.join(self.repo, ".carry", "build"))
-                        for d, _, files in os.walk(os.path.join(self.repo, ".carry", "build")) for f in files)
-        self.assertEqual(staged, ["bench_kernels", "tests/CTestTestfile.cmake", "tests/test_kernels", "train_gpt"])
+        self.assertEqual(self.staged("build.tar.xz"),
+                         ["bench_kernels", "tests/CTestTestfile.cmake", "tests/test_kernels", "train_gpt"])
         shutil.rmtree(build)
         status, report, output = self.acceptance("tests", "self-check", gpus=1, SPEEDRUN_PREBUILT="1")
         self.assertEqual(status, 0, output)
@@ -348,11 +353,11 @@ class AcceptanceTest(unittest.TestCase):
         result = run()
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("cmake --build build -j 2 --target gpu_tests bench_kernels", self.commands())
-        self.assertTrue(os.path.exists(os.path.join(self.repo, ".carry", "build", "tests", "test_model")))
+        self.assertIn("tests/test_model", self.staged("build.tar.xz"))
         result = run(FAKE_BUILD_FAILS="1")
         self.assertEqual(result.returncode, 1)
         self.assertIn("building gpu_tests and bench_kernels failed: nothing staged", result.stderr)
-        self.assertFalse(os.path.exists(os.path.join(self.repo, ".carry", "build")))  # the earlier staging is gone
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".carry", "build.tar.xz")))  # the earlier staging is gone
 
     def test_staging_a_baseline_builds_that_commits_trainer_and_bench_in_a_worktree(self):
         git = lambda *args: subprocess.run(["git", "-C", self.repo, "-c", "user.name=t", "-c", "user.email=t@t", *args],
@@ -367,16 +372,22 @@ class AcceptanceTest(unittest.TestCase):
                                            capture_output=True, text=True, timeout=60, env=dict(environment, **env))
         result = run(SPEEDRUN_BASELINE="HEAD")
         self.assertEqual(result.returncode, 0, result.stderr)
-        self.assertIn(f".carry/baseline: the trainer and bench_kernels of {revision[:7]}", result.stdout)
+        self.assertIn(f".carry/baseline.tar.xz: the trainer and bench_kernels of {revision[:7]}", result.stdout)
         self.assertIn("cmake --build build -j 2 --target train_gpt bench_kernels", self.commands())
-        baseline = os.path.join(self.repo, ".carry", "baseline")
-        self.assertEqual(self.read(os.path.join(baseline, "REVISION")).strip(), revision)
-        for target in ("train_gpt", "bench_kernels"):  # built in the worktree, not in this checkout's build/
-            self.assertEqual(self.read(os.path.join(baseline, target)).strip(), "made by src")
+        baseline = os.path.join(self.repo, ".carry", "baseline.tar.xz")
+        with tarfile.open(baseline) as archive:
+            self.assertEqual(archive.extractfile("REVISION").read().decode().strip(), revision)
+            for target in ("train_gpt", "bench_kernels"):  # built in the worktree, not in this checkout's build/
+                self.assertEqual(archive.extractfile(target).read().decode().strip(), "made by src")
+        # on the GPU machine: unpacked into .carry/baseline/, where acceptance.sh looks
+        self.assertEqual(subprocess.run(["bash", os.path.join(self.repo, "tools", "stage_build.sh"), "unpack"],
+                                        timeout=60).returncode, 0)
+        self.assertEqual(self.read(os.path.join(self.repo, ".carry", "baseline", "REVISION")).strip(), revision)
         self.assertEqual(len(git("worktree", "list").splitlines()), 1)  # the worktree is gone
-        result = run()  # carried as it is, and said so
+        result = run()  # carried as it is, and said so; the unpacked copy is not carried
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn(f"the trainer and bench_kernels of {revision[:7]}", result.stdout)
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".carry", "baseline")))
         result = run(SPEEDRUN_BASELINE="no-such-commit")
         self.assertEqual(result.returncode, 1)
         self.assertIn("SPEEDRUN_BASELINE=no-such-commit is not a commit of this repository", result.stderr)

@@ -19,7 +19,7 @@
 #               than "8:20 1:60" (each run costs about 45 s of the trainer, 40-150 s of the record's
 #               code: "8:20" alone fits five variants into one device call)
 #               A baseline staged by tools/stage_build.sh (SPEEDRUN_BASELINE: an earlier commit's
-#               trainer and bench_kernels in .carry/baseline/) runs too, after the variants, and a
+#               trainer and bench_kernels in .carry/baseline.tar.xz) runs too, after the variants, and a
 #               table gives ours / baseline: the step before and after, on one card in one call
 #   profile     every kernel's time in step 5 of 6 at M = 8, the trainer's and the record code's
 #               (tools/kernel_profile.so through --profile-step; tools/profile_summary.py), and where
@@ -71,9 +71,7 @@ mkdir -p "$(dirname "$report")" "$logs"
 work=$(mktemp -d)
 # run.sh builds the trainer unless it is told which to run.
 # A build staged by tools/stage_build.sh (a carry of the device tool) goes where the phases look.
-if [[ -n ${SPEEDRUN_PREBUILT:-} && ! -x build/train_gpt && -x .carry/build/train_gpt ]]; then
-  mkdir -p build && cp -a .carry/build/. build/
-fi
+[[ -z ${SPEEDRUN_PREBUILT:-} ]] || tools/stage_build.sh unpack || exit 1
 [[ -n ${SPEEDRUN_PREBUILT:-} ]] && export SPEEDRUN_TRAINER=$PWD/build/train_gpt
 trainer=${SPEEDRUN_TRAINER:-build/train_gpt}
 baseline=.carry/baseline  # tools/stage_build.sh's SPEEDRUN_BASELINE: an earlier commit's trainer and bench

@@ -41,9 +41,7 @@ unpack() {
 build_trainer() {
   local generator=()
   if [[ -n ${SPEEDRUN_PREBUILT:-} ]]; then  # built elsewhere: used as it is (tools/acceptance.sh)
-    if [[ ! -x build/train_gpt && -x .carry/build/train_gpt ]]; then  # staged by tools/stage_build.sh
-      mkdir -p build && cp -a .carry/build/. build/
-    fi
+    tools/stage_build.sh unpack  # what tools/stage_build.sh staged, where build/ has no trainer
     [[ -x $trainer ]] || { echo "SPEEDRUN_PREBUILT: $trainer is missing" >&2; return 1; }
     return 0
   fi
