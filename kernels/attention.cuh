@@ -152,15 +152,19 @@ __global__ void attention_forward_kernel(const bf16* q, const bf16* k, const bf1
   if (lane == 0) lse[size_t(h) * a.T + t] = row_max + logf(row_sum);
 }
 
-// delta[h, t] = dot(dy[t, h], y[t, h]): the softmax backward's row term.
+// delta[h, t] = dot(dy[t, h], y[t, h]): the softmax backward's row term. A lane reads its four
+// elements of each as one 8-byte load (y and dy 8-byte aligned): four 2-byte loads each made the
+// pass load-unit bound, as QK norm + RoPE's were (docs/PERF.md, 2026-11-27).
 __global__ void attention_delta_kernel(const bf16* y, const bf16* dy, float* delta, int T, int H) {
   int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= T * H) return;
   int t = warp / H, h = warp % H;
   size_t at = (size_t(t) * H + h) * kAttentionHeadDim + lane * 4;
-  float d = 0;
+  float yv[4], gv[4], d = 0;
+  load4(y + at, yv);
+  load4(dy + at, gv);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) d += __bfloat162float(y[at + i]) * __bfloat162float(dy[at + i]);
+  for (int i = 0; i < 4; ++i) d += yv[i] * gv[i];
   d = warp_sum(d);
   if (lane == 0) delta[size_t(h) * T + t] = d;
 }
@@ -306,6 +310,10 @@ inline void attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
                                const float* lse, float* scratch, bf16* dq, bf16* dk, bf16* dv,
                                const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
   check_attention_shape(a, mask);
+  for (auto [name, p] : {std::pair{"y", y}, std::pair{"dy", dy}})
+    if (reinterpret_cast<uintptr_t>(p) % 8)
+      throw std::invalid_argument(std::string("attention backward: ") + name +
+                                  " must start 8-byte aligned (attention_delta_kernel reads 4 elements at a time)");
   float* delta = scratch;  // [H, T]
   attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
   CUDA_CHECK_LAUNCH();

@@ -1072,14 +1072,15 @@ void set_shared_memory(Kernel kernel, size_t bytes) {
 
 // A tensor the flash kernels access, and the alignment (bytes) its start needs: cp.async copies
 // 16-byte pieces of q, k, v and dy (rows) and of lse and delta (the backward's 128 statistics at
-// [h, 128 qb]); y, dq, dk and dv are written a bf16 pair (4 bytes) at a time. The rest is read or
-// written an element at a time.
+// [h, 128 qb]); y, dq, dk and dv are written a bf16 pair (4 bytes) at a time, and the backward reads
+// y four elements (8 bytes) at a time (delta). The rest is read or written an element at a time.
 struct FlashAttentionOperand {
   const char* name;
   const void* start;
   unsigned alignment;
 };
 constexpr unsigned kFlashCopiedAlignment = 16, kFlashWrittenAlignment = 4;
+constexpr unsigned kFlashDeltaAlignment = 8;  // y, read four elements at a time by attention_delta_kernel
 
 // Refuses, naming the tensor, a misaligned start (the GPU would fault).
 inline void check_flash_operands(std::initializer_list<FlashAttentionOperand> operands) {
@@ -1147,7 +1148,8 @@ inline void flash_attention_backward_start(const bf16* q, const bf16* k, const b
   check_flash_attention_shape(a, mask,
                               {{"q", q, kFlashCopiedAlignment}, {"k", k, kFlashCopiedAlignment},
                                {"v", v, kFlashCopiedAlignment}, {"dy", dy, kFlashCopiedAlignment},
-                               {"lse", lse, kFlashCopiedAlignment}, {"scratch", scratch, kFlashCopiedAlignment}});
+                               {"lse", lse, kFlashCopiedAlignment}, {"scratch", scratch, kFlashCopiedAlignment},
+                               {"y", y, kFlashDeltaAlignment}});
   check_flash_operands(outputs);
   attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, scratch, a.T, a.H);
   CUDA_CHECK_LAUNCH();

@@ -331,13 +331,19 @@ TEST_CASE("flash attention refuses each tensor one element off its alignment, na
                         refusal.c_str());
     }
   for (auto backward : {flash_attention_backward, flash_attention_backward_split})
-    for (const char* off : {"q", "k", "v", "dy", "lse", "scratch", "dq", "dk", "dv"}) {
+    for (const char* off : {"q", "k", "v", "y", "dy", "lse", "scratch", "dq", "dk", "dv"}) {
       const std::string refusal = std::string("flash attention: ") + off + " must start";
-      CHECK_THROWS_WITH(backward(at(q, "q", off), at(k, "k", off), at(v, "v", off), y.get(), at(dy, "dy", off),
+      CHECK_THROWS_WITH(backward(at(q, "q", off), at(k, "k", off), at(v, "v", off), at(y, "y", off), at(dy, "dy", off),
                                  at(lse, "lse", off), at(scratch, "scratch", off), at(dq, "dq", off), at(dk, "dk", off),
                                  at(dv, "dv", off), a, mask, 0),
                         refusal.c_str());
     }
+  for (const char* off : {"y", "dy"}) {  // the reference backward's delta reads them 8 bytes at a time
+    const std::string refusal = std::string("attention backward: ") + off + " must start 8-byte aligned";
+    CHECK_THROWS_WITH(attention_backward(q.get(), k.get(), v.get(), at(y, "y", off), at(dy, "dy", off), lse.get(),
+                                         scratch.get(), dq.get(), dk.get(), dv.get(), a, mask, 0),
+                      refusal.c_str());
+  }
 }
 
 // The fused backward sums dq's contributions across CTAs in a fixed order (DqPartialSums): two runs
