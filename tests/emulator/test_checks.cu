@@ -84,6 +84,19 @@ __global__ void cp_async_kernel(const bf16* in, float* out) {
   out[0] = __bfloat162float(tile[0]);
 }
 
+// Copies 16 bytes into a tile twice, the second copy issued after the first's group landed
+// (waited) or while it is still in flight (not waited: the copies may land in either order).
+__global__ void cp_async_twice_kernel(const bf16* in, float* out, bool wait_between) {
+  extern __shared__ __align__(16) bf16 tile[];
+  ptx::cp_async_16(tile, in);
+  ptx::cp_async_commit();
+  if (wait_between) ptx::cp_async_wait_group<0>();
+  ptx::cp_async_16(tile, in + 8);
+  ptx::cp_async_commit();
+  ptx::cp_async_wait_group<0>();
+  out[0] = __bfloat162float(tile[0]);
+}
+
 // Reads a static __shared__ variable before writing it: garbage on the GPU, poison here, in every
 // block (the previous block's value would hide a missing write).
 __global__ void read_before_write_kernel(uint32_t* out) {
@@ -352,6 +365,13 @@ TEST_CASE("cp.async from a global address 8 bytes off stops: misaligned address"
   Buffers b;
   check_refused("cp.async global source",
                   [&](size_t offset) { cp_async_kernel<<<1, 1, 16>>>(b.at<bf16>(offset), b.out); }, 8, 64);
+}
+
+TEST_CASE("a cp.async to shared bytes another copy in flight writes stops the program; after a wait it runs") {
+  Buffers b;
+  check_refused("a cp.async to shared memory that another copy still in flight writes",
+                [&](size_t wait_between) { cp_async_twice_kernel<<<1, 1, 16>>>(b.at<bf16>(0), b.out, wait_between); },
+                0, 1);
 }
 
 TEST_CASE("a static __shared__ variable read before it is written holds poison in every block") {

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -210,6 +211,9 @@ struct Block {
   const std::function<void()>* body = nullptr;
   std::map<const uint64_t*, MBarrier> mbarriers;  // by the barrier's 8 bytes
   std::vector<TmaRegion> tma_regions;              // what the completed copies filled
+  // The 16 destination bytes (by their start) of every cp.async issued and not yet landed, any
+  // thread's: PTX orders no two copies that no wait separates, so a second copy there may land first.
+  std::unordered_set<const void*> copies_in_flight;
   NamedBarrier named[kNamedBarriers];
   std::vector<int> warp_registers;  // setmaxnreg's registers per thread, by warp
   int free_registers = 0;           // the block's registers no warp holds
@@ -340,6 +344,7 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   b.unfenced_threads = 0;
   b.mbarriers.clear();
   b.tma_regions.clear();
+  b.copies_in_flight.clear();
   for (NamedBarrier& n : b.named) n = NamedBarrier{};
   // What __launch_bounds__(threads, 1) compiles the kernel with, the block's registers: only what
   // a warp's decrease frees is there for another's increase.
@@ -410,6 +415,9 @@ void misaligned_cast(const char* type, const void* p, size_t alignment) {
 
 void async_copy(void* shared, const void* global, size_t bytes) {
   if (bytes != kAsyncCopyBytes) fatal("cp.async of other than 16 bytes");
+  if (!this_host().block.copies_in_flight.insert(shared).second)
+    fatal("a cp.async to shared memory that another copy still in flight writes (no cp.async.wait_group "
+          "between them): the two may land in either order");
   PendingCopy c{shared, {}};
   std::memcpy(c.data, global, bytes);
   std::memset(shared, 0xFF, bytes);
@@ -429,7 +437,10 @@ void async_copy_commit() { commit_group(this_host().running->uncommitted, this_h
 void async_copy_wait(int pending_groups_left) {
   Fiber& f = *this_host().running;
   while (int(f.committed.size()) > pending_groups_left) {
-    for (const PendingCopy& c : f.committed.front()) std::memcpy(c.shared, c.data, kAsyncCopyBytes);
+    for (const PendingCopy& c : f.committed.front()) {
+      std::memcpy(c.shared, c.data, kAsyncCopyBytes);
+      this_host().block.copies_in_flight.erase(c.shared);
+    }
     if (!f.copies_unfenced && !f.committed.front().empty()) {
       f.copies_unfenced = true;
       ++this_host().block.unfenced_threads;
