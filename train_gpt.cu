@@ -387,8 +387,6 @@ inline std::string unexpected_argument(const std::string& arg, const std::string
          (flag == "val-files" ? defaults.val_files : defaults.train_files) + "'";
 }
 
-// Parses argv into h. Throws FlagError naming the flag for unknown flags, missing or malformed
-// values and values outside their range. Returns false when --help was asked.
 // --matmul-algorithms's value, refused where it names what is not a cuBLASLt product in the run:
 // with --qkv fused or --mlp-fc fused our GEMM makes the qkv product, the MLP's fc product and its
 // projection's dx product (with ReLU²'s backward in its epilogue).
@@ -409,6 +407,8 @@ inline MatmulAlgorithms check_matmul_algorithms(const Hyperparameters& h) {
   return a;
 }
 
+// Parses argv into h. Throws FlagError naming the flag for unknown flags, missing or malformed
+// values and values outside their range. Returns false when --help was asked.
 inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
   std::vector<Flag> flags = flag_table(h);
   auto is_flag = [&](const std::string& word) {

@@ -910,9 +910,9 @@ __device__ inline void store_ds_transposed(bf16* ds_tile, const uint32_t (&ds)[k
 // stored: no CTA starts with all four copies ahead of it (a CTA a wave did, ~17 waves a call).
 // Tickets still go out in increasing order and a CTA holds at most its current item and the next,
 // a larger one, so the smallest unfinished ticket is always some CTA's current item, whose waits are
-// all for smaller, finished ones: no cycle (a CTA not yet resident holds none). The two-kernel path's CTA has one
-// item, its block's; so has the into-dqkv variant's (a CTA an item, by ticket): its loop's state
-// cost it 68 bytes of spill at 255 registers.
+// all for smaller, finished ones: no cycle (a CTA not yet resident holds none). The two-kernel
+// path's CTA has one item, its block's; so has the into-dqkv variant's (a CTA an item, by ticket):
+// its loop's state cost it 28-68 bytes of spill at 255 registers.
 template <bool fused_dq, bool into_dqkv = false>
 __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                 const bf16* dy, const float* lse, const float* delta,
@@ -954,9 +954,12 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
   };
   // An item without query blocks reads nothing (it stores zeros): no copies for it, so that none of
   // its copies is still in flight when the next item's K and V are copied into the same tiles.
-  if (item < items && m.q_count[kb_of(item)] > 0) {  // the first item's tiles
-    load_kv_tiles(k_tile, k, v, a, item / m.num_blocks, kb_of(item) * kTile);
-    load_q(kb_of(item), item / m.num_blocks, 0, 0);
+  auto reads_tiles = [&](int item) { return item < items && m.q_count[kb_of(item)] > 0; };
+  auto load_item_kv = [&](int item) { load_kv_tiles(k_tile, k, v, a, item / m.num_blocks, kb_of(item) * kTile); };
+  auto load_item_first_q = [&](int item, int stage) { load_q(kb_of(item), item / m.num_blocks, 0, stage); };
+  if (reads_tiles(item)) {  // the first item's tiles
+    load_item_kv(item);
+    load_item_first_q(item, 0);
   }
   constexpr int kQueries = kDsRows, N = kQueries / 8;
   auto key_of = [&](int, int e) { return warp * 16 + fragment_row(e); };
@@ -977,8 +980,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
       if (j + 1 < count) {
         load_q(kb, h, j + 1, (use + j + 1) % kStages);
       } else if constexpr (persistent) {  // the next item's first query block into the other stage
-        const int next = ticket;
-        if (next < items && m.q_count[kb_of(next)] > 0) load_q(kb_of(next), next / m.num_blocks, 0, (use + count) % kStages);
+        if (reads_tiles(ticket)) load_item_first_q(ticket, (use + count) % kStages);
       }
       const int qb = q_block(j), q0 = qb * kTile, stage = (use + j) % kStages;
       const bf16 *q_tile = q_tile_of(stage), *dy_tile = q_tile + kTileElements;
@@ -1041,9 +1043,9 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
       __syncthreads();  // every thread has read it before thread 0 takes the one after
       // the next item's K and V tiles (and its first Q, unless this item's last block did) while dk and
       // dv are stored
-      if (next < items && m.q_count[kb_of(next)] > 0) {
-        load_kv_tiles(k_tile, k, v, a, next / m.num_blocks, kb_of(next) * kTile);
-        if (count == 0) load_q(kb_of(next), next / m.num_blocks, 0, (use + count) % kStages);
+      if (reads_tiles(next)) {
+        load_item_kv(next);
+        if (count == 0) load_item_first_q(next, (use + count) % kStages);
       }
     }
     if constexpr (into_dqkv) {  // dv first: its registers are free for dk's norm
