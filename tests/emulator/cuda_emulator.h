@@ -7,8 +7,12 @@
 //
 // Each CUDA thread of a block is a fiber (its own stack, switched cooperatively on one host
 // thread), so __syncthreads and the warp-synchronous operations (shuffles, wgmma's fragments) meet
-// exactly as on the GPU, and a barrier some threads never reach is reported as a deadlock. Blocks
-// run one after another. By default every launch and copy completes before its call returns
+// exactly as on the GPU, and a barrier some threads never reach is reported as a deadlock. A
+// launch's blocks run as on a GPU of kEmulatedMultiprocessors SMs with one block resident on each
+// (runtime.h): handed out in order as slots free, the resident ones taking turns (each as far as
+// its warps go), so that blocks that wait on each other through global memory (a spin that sleeps
+// with __nanosleep, which yields to the other blocks here) interleave in many orders; when none of
+// them can go on, it is a deadlock, reported with what each waits for. By default every launch and copy completes before its call returns
 // (streams and events only order what is already ordered); lazy streams (enqueue below) run work
 // as late as its stream's waits allow instead. What this cannot show: races between streams other
 // than those two orders, timing, and the GPU's own rounding of fast intrinsics (__expf is expf here).
@@ -322,8 +326,8 @@ T atomicAdd(T* address, T value) {
 }
 
 // The fused attention backward's fp32 sums in a fixed order (flash::DqPartialSums): a red of two
-// floats, loads and stores that bypass L1, and the counter's fence and polling. Blocks run one
-// after another here, so a turn is either there at once or never (then the kernel traps). As the
+// floats, loads and stores that bypass L1, and the counter's fence and polling (a poll that finds
+// the turn not come yields to the other resident blocks, __nanosleep). As the
 // GPU's atom.add.f32 on global memory (PTX ISA: without .noftz it flushes subnormal inputs and
 // results to sign-preserving zero; atomicAdd has no .noftz), the float2 add flushes subnormals.
 inline float flush_subnormal(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
@@ -336,7 +340,13 @@ inline float2 atomicAdd(float2* address, float2 value) {
 inline float2 __ldcg(const float2* p) { return *p; }
 inline void __stcg(float2* p, float2 v) { *p = v; }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-inline void __nanosleep(unsigned) {}
+// A thread that sleeps in a spin on global memory: the other resident blocks run (what it waits
+// for can only come from one of them).
+namespace emu {
+void sleep_in_spin();
+uint64_t spin_sleeps();  // how many times this host thread's kernels slept in a spin so far
+}
+inline void __nanosleep(unsigned) { emu::sleep_in_spin(); }
 [[noreturn]] inline void __trap() {
   std::fprintf(stderr, "CUDA emulator: a kernel trapped (__trap)\n");
   std::abort();

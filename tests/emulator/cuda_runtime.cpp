@@ -306,10 +306,6 @@ cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
 }
-// Few SMs: a persistent grid (the flash forward's, one CTA per SM) then walks several items per CTA
-// at the tests' shapes, as it does on a GPU at the record's.
-constexpr int kEmulatedMultiprocessors = 8;
-
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   if (device != 0) return cudaErrorInvalidDevice;
   *prop = cudaDeviceProp{};

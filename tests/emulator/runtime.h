@@ -7,6 +7,11 @@
 
 namespace emu {
 
+// Few SMs: a persistent grid (the flash forward's, one CTA per SM) then walks several items per CTA
+// at the tests' shapes, as it does on a GPU at the record's. A launch's blocks run this many at a
+// time, one an SM (threads.cpp).
+constexpr int kEmulatedMultiprocessors = 8;
+
 [[noreturn]] void fatal(const std::string& what);  // "CUDA emulator: what" on stderr, then abort
 
 void record_launch_error(cudaError_t error);

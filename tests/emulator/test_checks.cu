@@ -26,7 +26,10 @@
 //   show (the old value, the new one), and with the waits not;
 // - cuSOLVER's syevd reports a factor it cannot decompose by a positive info (LAPACK's convention;
 //   what the library answers for a NaN factor is unverified), and REKLS then stops naming the
-//   factor (docs/ERRORS.md).
+//   factor (docs/ERRORS.md);
+// - a launch's blocks run side by side, one resident an SM (8 here), taking turns between barriers
+//   in an order drawn anew each launch: blocks that wait on each other's turns through global
+//   memory run, and a wait on a block that cannot become resident is a deadlock that names the spin.
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
 #include "kernels/check_arrays.cuh"
@@ -103,6 +106,29 @@ __global__ void read_before_write_kernel(uint32_t* out) {
   __shared__ uint32_t value;
   out[blockIdx.x] = value;
   value = 1;
+}
+
+// Block b waits (thread 0, a spin that sleeps) until `counter` reaches its turn, the last block's
+// first, writes its index at order[turn] and passes the turn on: the grid runs only if all its
+// blocks are resident together, as the fused attention backward's dq order needs its tickets' CTAs.
+__global__ void reverse_turns_kernel(int* counter, int* order) {
+  const int turn = int(gridDim.x - 1 - blockIdx.x);
+  if (threadIdx.x == 0) {
+    while (*reinterpret_cast<volatile int*>(counter) != turn) __nanosleep(64);
+    order[turn] = int(blockIdx.x);
+    __threadfence();
+    atomicAdd(counter, 1);
+  }
+  __syncthreads();
+}
+
+// Each block writes its index into the next slot of `log` once a step, for `steps` steps
+// between barriers (two warps, so that a barrier stops the block until the other warp comes).
+__global__ void interleaving_kernel(int* next, int* log, int steps) {
+  for (int step = 0; step < steps; ++step) {
+    if (threadIdx.x == 0) log[atomicAdd(next, 1)] = int(blockIdx.x);
+    __syncthreads();
+  }
 }
 
 // 32 KiB of static shared memory beside the dynamic memory of the launch.
@@ -381,6 +407,57 @@ TEST_CASE("a static __shared__ variable read before it is written holds poison i
   uint32_t read[2];
   CHECK(cudaMemcpy(read, out, sizeof read, cudaMemcpyDeviceToHost) == cudaSuccess);
   CHECK(read[0] == 0xFFFFFFFFu && read[1] == 0xFFFFFFFFu);
+}
+
+// The emulated GPU's SMs: as many blocks run side by side.
+int multiprocessors() {
+  int count = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, 0));
+  return count;
+}
+const int kEmulatedBlocks = multiprocessors();
+
+TEST_CASE("blocks that wait on each other through global memory run side by side, one an SM") {
+  DeviceBuffer<int> counter(1), order(kEmulatedBlocks);
+  CUDA_CHECK(cudaMemset(counter.get(), 0, sizeof(int)));
+  reverse_turns_kernel<<<kEmulatedBlocks, 64>>>(counter.get(), order.get());
+  CUDA_CHECK_LAUNCH();
+  const std::vector<int> got = order.download();
+  for (int turn = 0; turn < kEmulatedBlocks; ++turn) CHECK(got[turn] == kEmulatedBlocks - 1 - turn);
+}
+
+TEST_CASE("a spin on a block that cannot become resident (one block more than SMs) is a deadlock, named") {
+  DeviceBuffer<int> counter(1), order(kEmulatedBlocks + 1);
+  check_refused("1 thread(s) from 0 wait for a value in global memory that no resident block changes (a spin with "
+                "__nanosleep) | block (1, 0, 0): ",
+                [&](size_t blocks) {
+                  CUDA_CHECK(cudaMemset(counter.get(), 0, sizeof(int)));
+                  reverse_turns_kernel<<<unsigned(blocks), 64>>>(counter.get(), order.get());
+                },
+                kEmulatedBlocks + 1, kEmulatedBlocks);
+}
+
+TEST_CASE("the resident blocks take turns between barriers, in another order in each launch") {
+  const int kSteps = 4, kEntries = kEmulatedBlocks * kSteps;
+  DeviceBuffer<int> next(1), log(kEntries);
+  std::vector<std::vector<int>> logs;
+  for (int launch = 0; launch < 2; ++launch) {
+    CUDA_CHECK(cudaMemset(next.get(), 0, sizeof(int)));
+    interleaving_kernel<<<kEmulatedBlocks, 64>>>(next.get(), log.get(), kSteps);
+    CUDA_CHECK_LAUNCH();
+    logs.push_back(log.download());
+    // One block after another would change blocks kEmulatedBlocks - 1 times along the log.
+    int changes = 0;
+    std::string order;
+    for (int i = 0; i < kEntries; ++i) {
+      changes += i > 0 && logs.back()[i] != logs.back()[i - 1];
+      order += std::to_string(logs.back()[i]);
+    }
+    std::printf("  launch %d: the blocks' steps in the order they ran: %s (%d changes of block)\n", launch,
+                order.c_str(), changes);
+    CHECK(changes > 2 * kEmulatedBlocks);
+  }
+  CHECK(logs[0] != logs[1]);
 }
 
 TEST_CASE("32 KiB of static shared memory beside 20 KiB of dynamic (52 of the 48 allowed) stops") {

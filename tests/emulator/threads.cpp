@@ -70,19 +70,43 @@ constexpr int kMaxThreadsPerBlock = 1024;
 constexpr size_t kSlotBytes = 32;
 constexpr size_t kMaxStaticSharedBytes = size_t(48) << 10;  // ptxas's limit
 
-// A stack with a guard page below it: an overflow faults instead of corrupting a neighbour.
-struct Stack {
-  Stack() {
-    base = static_cast<char*>(mmap(nullptr, kStackBytes + kGuardBytes, PROT_READ | PROT_WRITE,
-                                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-    if (base == MAP_FAILED) fatal("cannot map a fiber stack");
+// The stacks of a slot's threads, in one mapping with a guard page below the lowest (a page each
+// would make two memory maps a thread: a resident block each of 8 SMs, of up to 1024 threads, on
+// each simulated rank's host thread passed Linux's 65,530). A thread that overflows its stack
+// writes into the canary at its bottom (checked as each launch ends) or faults on the guard.
+constexpr size_t kCanaryBytes = 256;
+constexpr unsigned char kCanary = 0xA5;
+struct Stacks {
+  Stacks() = default;
+  Stacks(const Stacks&) = delete;
+  Stacks& operator=(const Stacks&) = delete;
+  ~Stacks() { unmap(); }
+  // Room for `threads` stacks (their contents are lost when it grows: call it between blocks).
+  void reserve(size_t threads) {
+    if (threads <= count) return;
+    unmap();
+    base = static_cast<char*>(mmap(nullptr, kGuardBytes + threads * kStackBytes, PROT_READ | PROT_WRITE,
+                                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (base == MAP_FAILED) fatal("cannot map the fiber stacks");
     mprotect(base, kGuardBytes, PROT_NONE);
+    count = threads;
+    for (size_t i = 0; i < count; ++i) std::memset(bottom(i), kCanary, kCanaryBytes);
   }
-  ~Stack() { munmap(base, kStackBytes + kGuardBytes); }
-  Stack(const Stack&) = delete;
-  Stack& operator=(const Stack&) = delete;
-  char* top() const { return base + kGuardBytes + kStackBytes; }
-  char* base;
+  char* bottom(size_t i) const { return base + kGuardBytes + i * kStackBytes; }
+  char* top(size_t i) const { return bottom(i) + kStackBytes; }
+  // The first of threads [0, threads) whose canary was overwritten, or -1.
+  long overflowed(size_t threads) const {
+    static const std::vector<char> canary(kCanaryBytes, char(kCanary));
+    for (size_t i = 0; i < threads; ++i)
+      if (std::memcmp(bottom(i), canary.data(), kCanaryBytes) != 0) return long(i);
+    return -1;
+  }
+  void unmap() {
+    if (count) munmap(base, kGuardBytes + count * kStackBytes);
+    count = 0;
+  }
+  char* base = nullptr;
+  size_t count = 0;
 };
 
 struct Warp {
@@ -191,8 +215,10 @@ struct StaticSharedMemory {
   alignas(256) unsigned char bytes[kMaxStaticSharedBytes];
 };
 
-// The block being run on this host thread.
+// A resident block: its threads, their stacks and its shared memory (a slot of the launch's
+// resident blocks, reused by the blocks that follow in it).
 struct Block {
+  Stacks stacks;
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
   int live = 0, arrived = 0;
@@ -203,12 +229,10 @@ struct Block {
   // In the first block of a launch: `shared` as the block's last fence.proxy.async left it, with the
   // TMA copies landed since (what the async proxy may read); empty in the other blocks.
   std::vector<unsigned char> fenced;
-  // Static shared memory: placed variable by variable as a launch first reaches each (the GPU
-  // knows them all at the launch), poisoned up to static_bytes as each block starts.
+  // Static shared memory, at the offsets the launch gives its variables (HostThread).
   std::unique_ptr<StaticSharedMemory> static_shared = std::make_unique<StaticSharedMemory>();
-  size_t static_bytes = 0, static_budget = 0;  // placed in this launch; the most the launch may place
-  uint64_t launch = 0;  // this host thread's launches so far: when a StaticSharedPlace was placed
-  const std::function<void()>* body = nullptr;
+  dim3 index;
+  bool resident = false;  // running a block of the current launch
   std::map<const uint64_t*, MBarrier> mbarriers;  // by the barrier's 8 bytes
   std::vector<TmaRegion> tma_regions;              // what the completed copies filled
   // The 16 destination bytes (by their start) of every cp.async issued and not yet landed, any
@@ -220,10 +244,17 @@ struct Block {
 };
 
 struct HostThread {
-  std::vector<std::unique_ptr<Stack>> stacks;
   void* scheduler_sp = nullptr;
   Fiber* running = nullptr;
-  Block block;
+  std::vector<std::unique_ptr<Block>> slots;  // the resident blocks' slots
+  Block* block = nullptr;                     // the one whose thread runs
+  const std::function<void()>* body = nullptr;  // the launch's kernel call
+  // Static shared variables are placed one by one as the launch first reaches each (the GPU knows
+  // them all at the launch), at the same offsets in every block; poisoned up to static_bytes as
+  // each block starts, and each new one in every resident block.
+  size_t static_bytes = 0, static_budget = 0;  // placed in this launch; the most the launch may place
+  uint64_t launch = 0;  // this host thread's launches so far: when a StaticSharedPlace was placed
+  uint64_t spin_sleeps = 0;
 };
 
 // The host thread's state. Reached through a statically initialised __thread pointer: a
@@ -237,6 +268,7 @@ __attribute__((noinline)) HostThread& first_access_to_host() {
 }
 
 inline HostThread& this_host() { return host_state ? *host_state : first_access_to_host(); }
+inline Block& current_block() { return *this_host().block; }
 
 void yield() { emu_switch_stack(&this_host().running->sp, this_host().scheduler_sp); }
 
@@ -250,7 +282,7 @@ bool release_barrier_if_complete(Block& b) {
 }
 
 void fiber_main(void*) {
-  (*this_host().block.body)();
+  (*this_host().body)();
   Fiber& me = *this_host().running;
   if (!me.wgmma_uncommitted.empty() || !me.wgmma_committed.empty())
     fatal("a thread exited with wgmma operations it never waited for");
@@ -258,7 +290,7 @@ void fiber_main(void*) {
     fatal("a thread exited with TMA stores it never waited for (cp.async.bulk.wait_group): the shared memory they "
           "read goes with the block");
   me.done = true;
-  Block& b = this_host().block;
+  Block& b = current_block();
   --b.live;
   --b.warps[me.position.linear_index() / 32].live;
   ++b.progress;
@@ -326,21 +358,25 @@ std::string waits_of(const Block& b) {
   return report;
 }
 
-void run_block(const LaunchConfig& c, dim3 block_index) {
-  Block& b = this_host().block;
+// Starts block `index` of the launch in slot b: its threads at their first instruction, its shared
+// memory poisoned.
+void start_block(Block& b, const LaunchConfig& c, dim3 index) {
   const int threads = int(c.block.x * c.block.y * c.block.z), warps = (threads + 31) / 32;
-  while (int(this_host().stacks.size()) < threads) this_host().stacks.push_back(std::make_unique<Stack>());
+  b.stacks.reserve(size_t(threads));
+  b.index = index;
+  b.resident = true;
   b.fibers.resize(threads);
   b.warps.resize(warps);
   for (Warp& w : b.warps) w.reset();
   for (int i = 0; i < threads; ++i) {
-    b.fibers[i].start({dim3(i % c.block.x, i / c.block.x % c.block.y, i / (c.block.x * c.block.y)), block_index,
+    b.fibers[i].start({dim3(i % c.block.x, i / c.block.x % c.block.y, i / (c.block.x * c.block.y)), index,
                        c.block, c.grid},
-                      initial_stack(this_host().stacks[i]->top()));
+                      initial_stack(b.stacks.top(size_t(i))));
     ++b.warps[i / 32].live;
   }
   b.live = threads;
   b.arrived = 0;
+  b.progress = 0;
   b.unfenced_threads = 0;
   b.mbarriers.clear();
   b.tma_regions.clear();
@@ -351,23 +387,31 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
   b.warp_registers.assign(warps, std::min(255, kRegisterFile / threads / 8 * 8));
   b.free_registers = 0;
   // Shared memory starts as garbage on the GPU: poisoned here, so a read before a write shows.
+  b.shared.resize(c.shared_bytes);
   std::memset(b.shared.data(), 0xFF, b.shared.size());
-  std::memset(b.static_shared->bytes, 0xFF, b.static_bytes);
-  if (block_index.x == 0 && block_index.y == 0 && block_index.z == 0)
+  std::memset(b.static_shared->bytes, 0xFF, this_host().static_bytes);
+  if (index.x == 0 && index.y == 0 && index.z == 0)
     b.fenced = b.shared;
   else
     b.fenced.clear();
+}
+
+// Runs each warp of block b as far as it goes (to a barrier others have not reached, a wait on
+// another block, or its end): false if no thread of the block moved on.
+bool step_block(Block& b) {
+  const uint64_t progress = b.progress;
   // Even blocks run warp 0 ahead first, odd ones the last warp: a warp that reads what a later
   // warp writes, without a barrier between, meets poison in the one order, as does one that reads
   // what an earlier warp writes in the other.
-  const bool last_warp_first = (block_index.x + block_index.y + block_index.z) % 2 == 1;
-  while (b.live > 0) {
-    const uint64_t progress = b.progress;
-    for (int i = 0; i < warps; ++i) run_warp_to_barrier(b, last_warp_first ? warps - 1 - i : i);
-    if (b.progress == progress && b.live > 0)
-      fatal("deadlock in block (" + std::to_string(block_index.x) + ", " + std::to_string(block_index.y) + ", " +
-            std::to_string(block_index.z) + "): " + waits_of(b));
-  }
+  const bool last_warp_first = (b.index.x + b.index.y + b.index.z) % 2 == 1;
+  const int warps = int(b.warps.size());
+  for (int i = 0; i < warps; ++i) run_warp_to_barrier(b, last_warp_first ? warps - 1 - i : i);
+  return b.progress != progress;
+}
+
+// The checks of a block's exit.
+void finish_block(Block& b) {
+  b.resident = false;
   // setmaxnreg is a warpgroup's: all four of its warps, the same count.
   for (size_t w = 0; w + 4 <= b.warp_registers.size(); w += 4)
     for (size_t other = w + 1; other < w + 4; ++other)
@@ -382,28 +426,34 @@ void run_block(const LaunchConfig& c, dim3 block_index) {
             " arrivals left at the block's exit (a hand-over nobody took)");
 }
 
+std::string block_name(const Block& b) {
+  return "block (" + std::to_string(b.index.x) + ", " + std::to_string(b.index.y) + ", " + std::to_string(b.index.z) +
+         ")";
+}
+
 }  // namespace
 
 __thread const ThreadPosition* running_position = nullptr;
 
 void position_read_outside_a_kernel() { fatal("threadIdx and friends read outside a kernel"); }
 
-void* dynamic_shared_memory() { return this_host().block.shared.data(); }
+void* dynamic_shared_memory() { return current_block().shared.data(); }
 
 void* static_shared_memory(StaticSharedPlace& place, size_t bytes, size_t alignment) {
   if (!this_host().running) fatal("a __shared__ variable reached outside a kernel");
-  Block& b = this_host().block;
-  if (place.launch != b.launch) {
-    const size_t offset = (b.static_bytes + alignment - 1) / alignment * alignment;
-    if (offset + bytes > b.static_budget)
+  HostThread& host = this_host();
+  if (place.launch != host.launch) {
+    const size_t offset = (host.static_bytes + alignment - 1) / alignment * alignment;
+    if (offset + bytes > host.static_budget)
       fatal(std::to_string(offset + bytes) + " bytes of static __shared__ variables beside " +
-            std::to_string(b.shared.size()) + " bytes of dynamic shared memory: more than the GPU lets this kernel " +
+            std::to_string(current_block().shared.size()) + " bytes of dynamic shared memory: more than the GPU lets this kernel " +
             "have (48 KiB in all, or 227 KiB with its dynamic limit raised; static at most 48 KiB)");
-    std::memset(b.static_shared->bytes + b.static_bytes, 0xFF, offset + bytes - b.static_bytes);
-    b.static_bytes = offset + bytes;
-    place = {b.launch, offset};
+    for (const auto& slot : host.slots)  // resident blocks started before it was placed
+      std::memset(slot->static_shared->bytes + host.static_bytes, 0xFF, offset + bytes - host.static_bytes);
+    host.static_bytes = offset + bytes;
+    place = {host.launch, offset};
   }
-  return b.static_shared->bytes + place.offset;
+  return current_block().static_shared->bytes + place.offset;
 }
 
 void misaligned_cast(const char* type, const void* p, size_t alignment) {
@@ -415,7 +465,7 @@ void misaligned_cast(const char* type, const void* p, size_t alignment) {
 
 void async_copy(void* shared, const void* global, size_t bytes) {
   if (bytes != kAsyncCopyBytes) fatal("cp.async of other than 16 bytes");
-  if (!this_host().block.copies_in_flight.insert(shared).second)
+  if (!current_block().copies_in_flight.insert(shared).second)
     fatal("a cp.async to shared memory that another copy still in flight writes (no cp.async.wait_group "
           "between them): the two may land in either order");
   PendingCopy c{shared, {}};
@@ -439,11 +489,11 @@ void async_copy_wait(int pending_groups_left) {
   while (int(f.committed.size()) > pending_groups_left) {
     for (const PendingCopy& c : f.committed.front()) {
       std::memcpy(c.shared, c.data, kAsyncCopyBytes);
-      this_host().block.copies_in_flight.erase(c.shared);
+      current_block().copies_in_flight.erase(c.shared);
     }
     if (!f.copies_unfenced && !f.committed.front().empty()) {
       f.copies_unfenced = true;
-      ++this_host().block.unfenced_threads;
+      ++current_block().unfenced_threads;
     }
     f.committed.pop_front();
   }
@@ -451,7 +501,7 @@ void async_copy_wait(int pending_groups_left) {
 
 void proxy_async_fence() {
   Fiber& f = *this_host().running;
-  Block& b = this_host().block;
+  Block& b = current_block();
   if (f.copies_unfenced) --b.unfenced_threads;
   f.copies_unfenced = false;
   if (!b.fenced.empty()) std::memcpy(b.fenced.data(), b.shared.data(), b.shared.size());
@@ -462,8 +512,8 @@ void wgmma_fence() { this_host().running->wgmma_fenced = true; }
 void wgmma_issue(std::function<void()> land) {
   Fiber& f = *this_host().running;
   if (!f.wgmma_fenced) fatal("a wgmma group begun without a wgmma.fence");
-  if (this_host().block.unfenced_threads > 0)
-    for (const Fiber& other : this_host().block.fibers)
+  if (current_block().unfenced_threads > 0)
+    for (const Fiber& other : current_block().fibers)
       if (other.copies_unfenced)
         fatal("wgmma issued while thread " + std::to_string(other.position.linear_index()) +
               "'s landed cp.async copies are not fenced for the async proxy (fence.proxy.async)");
@@ -485,7 +535,7 @@ void wgmma_wait(int pending_groups_left) {
 }
 
 uint32_t shared_window_address(const void* p) {
-  const std::vector<unsigned char>& shared = this_host().block.shared;
+  const std::vector<unsigned char>& shared = current_block().shared;
   const auto* byte = static_cast<const unsigned char*>(p);
   if (shared.empty() || byte < shared.data() || byte >= shared.data() + shared.size())
     fatal("a shared-window address of memory outside the dynamic shared memory (the emulator maps only that)");
@@ -493,7 +543,7 @@ uint32_t shared_window_address(const void* p) {
 }
 
 SharedWindow dynamic_shared_window() {
-  const Block& b = this_host().block;
+  const Block& b = current_block();
   return {b.shared.data(), uint32_t(b.shared.size()), b.fenced.empty() ? nullptr : b.fenced.data()};
 }
 
@@ -514,14 +564,14 @@ uint64_t mbarrier_tag(const uint64_t* barrier) {
 }
 
 bool in_dynamic_shared(const void* p) {
-  const Block& b = this_host().block;
+  const Block& b = current_block();
   const auto* byte = static_cast<const unsigned char*>(p);
   return !b.shared.empty() && byte >= b.shared.data() && byte < b.shared.data() + b.shared.size();
 }
 
 // A byte's offset in the block's dynamic or static shared memory (counted apart).
 uint64_t shared_byte(const void* p) {
-  const Block& b = this_host().block;
+  const Block& b = current_block();
   const auto* byte = static_cast<const unsigned char*>(p);
   return uint64_t(byte - (in_dynamic_shared(p) ? b.shared.data() : b.static_shared->bytes));
 }
@@ -531,7 +581,7 @@ std::string shared_offset(const void* p) {
 }
 
 MBarrier& initialised_mbarrier(uint64_t* barrier, const char* what) {
-  Block& b = this_host().block;
+  Block& b = current_block();
   auto found = b.mbarriers.find(barrier);
   if (found == b.mbarriers.end() || *barrier != mbarrier_tag(barrier))
     fatal(std::string(what) + " on the mbarrier at " + shared_offset(barrier) +
@@ -550,7 +600,7 @@ void complete_phase_if_done(MBarrier& m, uint64_t* barrier) {
           " (arrive.expect_tx): the phase would complete before the last of them lands");
   if (m.issued < m.announced) return;
   for (TmaCopy& c : m.in_flight) {
-    this_host().block.tma_regions.push_back({c.shared, c.image.size(), barrier, m.phases + 1});
+    current_block().tma_regions.push_back({c.shared, c.image.size(), barrier, m.phases + 1});
     m.unlanded.push_back(std::move(c));
   }
   m.in_flight.clear();
@@ -562,7 +612,7 @@ void complete_phase_if_done(MBarrier& m, uint64_t* barrier) {
 // A TMA copy's write of shared memory (its poison at the issue, its box as it lands) goes through
 // the async proxy: what it may read next without a fence.
 void mirror_async_proxy_write(const unsigned char* shared, size_t bytes) {
-  Block& b = this_host().block;
+  Block& b = current_block();
   if (!b.fenced.empty()) std::memcpy(b.fenced.data() + (shared - b.shared.data()), shared, bytes);
 }
 
@@ -573,10 +623,10 @@ bool overlaps(const TmaCopy& c, const unsigned char* start, size_t bytes) {
 }  // namespace
 
 void mbarrier_init(uint64_t* barrier, uint32_t count) {
-  Block& b = this_host().block;
+  Block& b = current_block();
   const auto* byte = reinterpret_cast<const unsigned char*>(barrier);
   const bool in_dynamic = !b.shared.empty() && byte >= b.shared.data() && byte + 8 <= b.shared.data() + b.shared.size();
-  const bool in_static = byte >= b.static_shared->bytes && byte + 8 <= b.static_shared->bytes + b.static_bytes;
+  const bool in_static = byte >= b.static_shared->bytes && byte + 8 <= b.static_shared->bytes + this_host().static_bytes;
   if (!in_dynamic && !in_static) fatal("mbarrier.init of memory outside the block's shared memory");
   if (reinterpret_cast<uintptr_t>(barrier) % 8) fatal("mbarrier.init at an address that is not 8-byte aligned");
   if (count == 0 || count >= (1u << 20)) fatal("mbarrier.init with a count outside [1, 2^20)");
@@ -590,7 +640,7 @@ void mbarrier_init(uint64_t* barrier, uint32_t count) {
 
 void fence_mbarrier_init() {
   const int me = this_host().running->position.linear_index();
-  for (auto& [barrier, m] : this_host().block.mbarriers)
+  for (auto& [barrier, m] : current_block().mbarriers)
     if (m.initialised_by == me) m.published = true;
 }
 
@@ -598,7 +648,7 @@ void mbarrier_arrive(uint64_t* barrier, uint32_t expect_tx_bytes) {
   MBarrier& m = initialised_mbarrier(barrier, expect_tx_bytes ? "mbarrier.arrive.expect_tx" : "mbarrier.arrive");
   m.announced += expect_tx_bytes;
   --m.pending;
-  ++this_host().block.progress;
+  ++current_block().progress;
   complete_phase_if_done(m, barrier);
 }
 
@@ -626,12 +676,12 @@ bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) {
     seen_phases.push_back({barrier, seen});
   else
     mine->second = std::max(mine->second, seen);
-  ++this_host().block.progress;
+  ++current_block().progress;
   return true;
 }
 
 void check_tma_visible(uint32_t window_address, const char* reader) {
-  const Block& b = this_host().block;
+  const Block& b = current_block();
   const unsigned char* byte = b.shared.data() + (window_address - kDynamicSharedWindowBase);
   const auto& seen_phases = this_host().running->seen_phases;
   for (const TmaRegion& r : b.tma_regions) {
@@ -660,7 +710,7 @@ std::pair<EmulatedTensorMap, uint32_t> checked_tma_box(const void* map_address, 
   const uint32_t row_bytes = map.box[0] * map.element_bytes, bytes = elements * map.element_bytes;
   if (map.swizzle_bytes && row_bytes != map.swizzle_bytes)
     fatal("a swizzled TMA box whose rows are not one swizzle span (the emulator implements only that)");
-  const Block& b = this_host().block;
+  const Block& b = current_block();
   if (uint64_t(static_cast<const unsigned char*>(shared) - b.shared.data()) + bytes > b.shared.size())
     fatal(std::string(what) + " past the end of the dynamic shared memory");
   return {map, bytes};
@@ -691,7 +741,7 @@ void for_each_box_element(const EmulatedTensorMap& map, const int* coordinates, 
 }
 
 void tma_load(void* shared, const void* map_address, const int* coordinates, int rank, uint64_t* barrier) {
-  Block& b = this_host().block;
+  Block& b = current_block();
   MBarrier& m = initialised_mbarrier(barrier, "a TMA copy (cp.async.bulk.tensor)");
   if (!m.published)
     fatal("a TMA copy completes on the mbarrier at " + shared_offset(barrier) +
@@ -728,7 +778,7 @@ void tma_load(void* shared, const void* map_address, const int* coordinates, int
 void tma_store(const void* shared, const void* map_address, const int* coordinates, int rank) {
   const auto [map, bytes] = checked_tma_box(map_address, rank, shared, "a TMA store");
   const auto* source = static_cast<const unsigned char*>(shared);
-  check_async_proxy_read(dynamic_shared_window(), uint32_t(source - this_host().block.shared.data()), bytes,
+  check_async_proxy_read(dynamic_shared_window(), uint32_t(source - current_block().shared.data()), bytes,
                          "a TMA store's box");
   TmaStore store{map, source, std::vector<unsigned char>(source, source + bytes), {0, 0, 0}, rank};
   std::copy(coordinates, coordinates + rank, store.coordinates);
@@ -755,7 +805,7 @@ void bulk_wait(int pending_groups_left) {
 }
 
 void named_barrier(int id, int threads, bool wait) {
-  Block& b = this_host().block;
+  Block& b = current_block();
   if (id < 1 || id >= kNamedBarriers) fatal("a named barrier id outside 1-15 (0 is __syncthreads')");
   if (threads <= 0 || threads % 32 || threads > int(b.fibers.size()))
     fatal("a named barrier of " + std::to_string(threads) + " threads: not a multiple of 32 within the block");
@@ -786,7 +836,7 @@ void set_max_registers(int registers, bool increase) {
   warp_exchange(what, &registers, all, sizeof registers);
   for (int lane : all)
     if (lane != registers) fatal(std::string(what) + " with different counts in one warp");
-  Block& b = this_host().block;
+  Block& b = current_block();
   const int warp = this_host().running->position.linear_index() / 32;
   int& held = b.warp_registers[warp];
   if (this_host().running->position.linear_index() % 32 == 0) {  // the warp's accounting, once
@@ -804,8 +854,19 @@ void set_max_registers(int registers, bool increase) {
   warp_pick("setmaxnreg done", 0, 0);  // the warp goes on together, with its registers
 }
 
+uint64_t spin_sleeps() { return this_host().spin_sleeps; }
+
+void sleep_in_spin() {
+  ++this_host().spin_sleeps;
+  Fiber& me = *this_host().running;
+  me.waiting_for = "a value in global memory that no resident block changes (a spin with __nanosleep)";
+  me.waiting_detail = ~0ull;
+  yield();
+  me.waiting_for = nullptr;
+}
+
 void sync_threads() {
-  Block& b = this_host().block;
+  Block& b = current_block();
   Fiber& me = *this_host().running;
   const unsigned generation = b.generation;
   ++b.progress;
@@ -834,7 +895,7 @@ void copy_lane_value(void* to, const void* from, size_t bytes) {
 void warp_collective(const char* what, const void* in, size_t in_bytes, void* out, size_t out_bytes,
                      WarpCombine combine, int pick_lane) {
   if (in_bytes > kSlotBytes || out_bytes > kSlotBytes) fatal("a warp operation on more than 32 bytes per lane");
-  Block& b = this_host().block;
+  Block& b = current_block();
   const int lane_linear = this_host().running->position.linear_index();
   Warp& w = b.warps[lane_linear / 32];
   const int lane = lane_linear % 32;
@@ -879,16 +940,74 @@ bool launchable(const void* kernel, LaunchConfig& c) {
 }
 
 void run_grid(const void* kernel, const LaunchConfig& c, const std::function<void()>& body) {
-  Block& b = this_host().block;
-  b.body = &body;
-  b.shared.resize(c.shared_bytes);  // poisoned as each block starts
-  ++b.launch;
-  b.static_bytes = 0;
-  b.static_budget = c.static_budget;
-  for (unsigned z = 0; z < c.grid.z; ++z)
-    for (unsigned y = 0; y < c.grid.y; ++y)
-      for (unsigned x = 0; x < c.grid.x; ++x) run_block(c, dim3(x, y, z));
-  b.body = nullptr;
+  HostThread& host = this_host();
+  host.body = &body;
+  ++host.launch;
+  host.static_bytes = 0;
+  host.static_budget = c.static_budget;
+  // As on the GPU, blocks are handed out in order (x fastest) to the resident slots, one an SM, as
+  // slots free; the resident blocks take turns, each running its warps as far as they go, in an
+  // order drawn anew each turn from a sequence seeded by the launch, about half of them sitting
+  // each turn out (as slower SMs would), so that blocks that wait on each other (a spin in global
+  // memory) interleave in many orders and later ones overtake earlier ones.
+  const uint64_t blocks = uint64_t(c.grid.x) * c.grid.y * c.grid.z;
+  const int resident = int(std::min<uint64_t>(blocks, kEmulatedMultiprocessors));
+  while (int(host.slots.size()) < resident) host.slots.push_back(std::make_unique<Block>());
+  uint64_t next = 0;
+  auto start_next = [&](Block& slot) {
+    const uint64_t i = next++;
+    start_block(slot, c, dim3(unsigned(i % c.grid.x), unsigned(i / c.grid.x % c.grid.y),
+                              unsigned(i / (uint64_t(c.grid.x) * c.grid.y))));
+  };
+  for (int i = 0; i < resident; ++i) start_next(*host.slots[i]);
+  uint64_t draw = host.launch * 0x9E3779B97F4A7C15ull;  // xorshift64, never zero
+  int order[kEmulatedMultiprocessors];
+  for (int k = 0; k < resident; ++k) order[k] = k;
+  auto next_draw = [&] {
+    draw ^= draw << 13;
+    draw ^= draw >> 7;
+    draw ^= draw << 17;
+    return draw;
+  };
+  bool everyone = false;  // every block runs this turn: the last one, with some paused, moved none
+  for (int running = resident; running > 0;) {
+    for (int k = resident - 1; k > 0; --k) std::swap(order[k], order[next_draw() % uint64_t(k + 1)]);
+    const uint64_t paused = everyone ? 0 : next_draw();  // bit k: slot k sits this turn out (a slow SM)
+    bool moved = false;
+    for (int k = 0; k < resident; ++k) {
+      Block& b = *host.slots[order[k]];
+      if (!b.resident || (paused >> order[k] & 1)) continue;
+      host.block = &b;
+      moved |= step_block(b);
+      if (b.live > 0) continue;
+      finish_block(b);
+      moved = true;
+      if (next < blocks)
+        start_next(b);
+      else
+        --running;
+    }
+    if (!moved && !everyone) {
+      everyone = true;
+    } else if (!moved) {
+      std::string waits;
+      for (int k = 0; k < resident; ++k)
+        if (host.slots[k]->resident)
+          waits += (waits.empty() ? "" : " | ") + block_name(*host.slots[k]) + ": " + waits_of(*host.slots[k]);
+      fatal("deadlock (no resident block can go on) in " + waits);
+    } else {
+      everyone = false;
+    }
+  }
+  for (int k = 0; k < resident; ++k) {
+    const Block& b = *host.slots[k];
+    const long thread = b.stacks.overflowed(b.fibers.size());
+    if (thread >= 0)
+      fatal("thread " + std::to_string(thread) + " of " + block_name(b) + " (or of an earlier block in its slot) " +
+            "overflowed its " + std::to_string(kStackBytes >> 10) + " KiB stack");
+  }
+  host.block = nullptr;
+  host.body = nullptr;
 }
 
 }  // namespace emu
