@@ -398,14 +398,28 @@ void start_block(Block& b, const LaunchConfig& c, dim3 index) {
 
 // Runs each warp of block b as far as it goes (to a barrier others have not reached, a wait on
 // another block, or its end): false if no thread of the block moved on.
-bool step_block(Block& b) {
+// The first two blocks of a launch run warp 0 ahead first and the last warp first: a warp that
+// reads what a later warp writes, without a barrier between, meets poison in the one order, as
+// does one that reads what an earlier warp writes in the other. The other blocks run their warps
+// in an order drawn anew each time (from `draw`), so that warps meet in many more orders.
+bool step_block(Block& b, uint64_t draw) {
   const uint64_t progress = b.progress;
-  // Even blocks run warp 0 ahead first, odd ones the last warp: a warp that reads what a later
-  // warp writes, without a barrier between, meets poison in the one order, as does one that reads
-  // what an earlier warp writes in the other.
-  const bool last_warp_first = (b.index.x + b.index.y + b.index.z) % 2 == 1;
   const int warps = int(b.warps.size());
-  for (int i = 0; i < warps; ++i) run_warp_to_barrier(b, last_warp_first ? warps - 1 - i : i);
+  int order[kMaxThreadsPerBlock / 32];
+  for (int i = 0; i < warps; ++i) order[i] = i;
+  const dim3 grid = b.fibers.front().position.grid_dim;
+  const uint64_t linear = b.index.x + uint64_t(grid.x) * (b.index.y + uint64_t(grid.y) * b.index.z);
+  if (linear == 1) {
+    std::reverse(order, order + warps);
+  } else if (linear > 1) {
+    for (int i = warps - 1; i > 0; --i) {
+      draw ^= draw << 13;
+      draw ^= draw >> 7;
+      draw ^= draw << 17;
+      std::swap(order[i], order[draw % uint64_t(i + 1)]);
+    }
+  }
+  for (int i = 0; i < warps; ++i) run_warp_to_barrier(b, order[i]);
   return b.progress != progress;
 }
 
@@ -978,7 +992,7 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
       Block& b = *host.slots[order[k]];
       if (!b.resident || (paused >> order[k] & 1)) continue;
       host.block = &b;
-      moved |= step_block(b);
+      moved |= step_block(b, next_draw());
       if (b.live > 0) continue;
       finish_block(b);
       moved = true;
