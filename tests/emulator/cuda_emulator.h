@@ -318,11 +318,19 @@ inline int __any_sync(unsigned, int predicate) {  // vote.any over the whole war
   return 0;
 }
 
-// Integer atomics: the builtins also order kernels of concurrent
-// host threads (simulated ranks) that share a counter.
+namespace emu {
+// Ends the running block's turn: the other resident blocks run before its other threads go on.
+void end_block_turn();
+}
+// Integer atomics: the builtins also order kernels of concurrent host threads (simulated ranks)
+// that share a counter. Each ends its block's turn, so that the other blocks see the counter
+// moved before this block's other warps go on: one moved on before the data it releases is
+// written (a barrier missing) shows.
 template <typename T>
 T atomicAdd(T* address, T value) {
-  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+  const T before = __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+  emu::end_block_turn();
+  return before;
 }
 
 // The fused attention backward's fp32 sums in a fixed order (flash::DqPartialSums): a red of two

@@ -29,7 +29,9 @@
 //   factor (docs/ERRORS.md);
 // - a launch's blocks run side by side, one resident an SM (8 here), taking turns between barriers
 //   in an order drawn anew each launch: blocks that wait on each other's turns through global
-//   memory run, and a wait on a block that cannot become resident is a deadlock that names the spin.
+//   memory run, and a wait on a block that cannot become resident is a deadlock that names the spin;
+//   an integer atomic ends its block's turn, so a counter moved on before the barrier after the data
+//   it releases shows (the other block reads the data unwritten).
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
 #include "kernels/check_arrays.cuh"
@@ -120,6 +122,27 @@ __global__ void reverse_turns_kernel(int* counter, int* order) {
     atomicAdd(counter, 1);
   }
   __syncthreads();
+}
+
+// Block 0's warps each write their word of `data`; thread 0 then releases the words to block 1 by
+// moving `flag` on: after the barrier that follows the writes, or (`early`, the bug) before it.
+// Block 1 waits for the flag and sums the words into *out.
+__global__ void release_kernel(unsigned* data, int* flag, unsigned* out, bool early) {
+  const int warps = int(blockDim.x / 32);
+  if (blockIdx.x == 0) {
+    if (threadIdx.x % 32 == 0) data[threadIdx.x / 32] = threadIdx.x / 32 + 1;
+    if (early && threadIdx.x == 0) atomicAdd(flag, 1);
+    __syncthreads();
+    if (!early && threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(flag, 1);
+    }
+  } else if (threadIdx.x == 0) {
+    while (*reinterpret_cast<volatile int*>(flag) == 0) __nanosleep(64);
+    unsigned sum = 0;
+    for (int w = 0; w < warps; ++w) sum += data[w];
+    *out = sum;
+  }
 }
 
 // Each block writes its index into the next slot of `log` once a step, for `steps` steps
@@ -458,6 +481,25 @@ TEST_CASE("the resident blocks take turns between barriers, in another order in 
     CHECK(changes > 2 * kEmulatedBlocks);
   }
   CHECK(logs[0] != logs[1]);
+}
+
+TEST_CASE("a counter moved on before the barrier that follows the data it releases shows: other blocks run at once") {
+  constexpr int kWarps = 4, kLaunches = 8;
+  DeviceBuffer<unsigned> data(kWarps), out(1);
+  DeviceBuffer<int> flag(1);
+  for (bool early : {false, true}) {
+    int wrong = 0;
+    for (int launch = 0; launch < kLaunches; ++launch) {
+      CUDA_CHECK(cudaMemset(data.get(), 0xFF, kWarps * sizeof(unsigned)));
+      CUDA_CHECK(cudaMemset(flag.get(), 0, sizeof(int)));
+      release_kernel<<<2, 32 * kWarps>>>(data.get(), flag.get(), out.get(), early);
+      CUDA_CHECK_LAUNCH();
+      wrong += out.download()[0] != kWarps * (kWarps + 1) / 2;
+    }
+    std::printf("  released %s the barrier: a wrong sum in %d of %d launches\n", early ? "before" : "after", wrong,
+                kLaunches);
+    CHECK(early ? wrong > 0 : wrong == 0);
+  }
 }
 
 TEST_CASE("32 KiB of static shared memory beside 20 KiB of dynamic (52 of the 48 allowed) stops") {

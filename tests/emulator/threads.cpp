@@ -232,7 +232,8 @@ struct Block {
   // Static shared memory, at the offsets the launch gives its variables (HostThread).
   std::unique_ptr<StaticSharedMemory> static_shared = std::make_unique<StaticSharedMemory>();
   dim3 index;
-  bool resident = false;  // running a block of the current launch
+  bool resident = false;   // running a block of the current launch
+  bool turn_over = false;  // a thread ended the block's turn (end_block_turn)
   std::map<const uint64_t*, MBarrier> mbarriers;  // by the barrier's 8 bytes
   std::vector<TmaRegion> tma_regions;              // what the completed copies filled
   // The 16 destination bytes (by their start) of every cp.async issued and not yet landed, any
@@ -336,6 +337,7 @@ void run_warp_to_barrier(Block& b, int w) {
       if (f.done || (f.at_barrier && f.barrier_generation == b.generation)) continue;
       runnable = true;
       resume(f);
+      if (b.turn_over) return;
     }
     if (!runnable || b.progress == progress) return;
   }
@@ -419,7 +421,8 @@ bool step_block(Block& b, uint64_t draw) {
       std::swap(order[i], order[draw % uint64_t(i + 1)]);
     }
   }
-  for (int i = 0; i < warps; ++i) run_warp_to_barrier(b, order[i]);
+  b.turn_over = false;
+  for (int i = 0; i < warps && !b.turn_over; ++i) run_warp_to_barrier(b, order[i]);
   return b.progress != progress;
 }
 
@@ -869,6 +872,14 @@ void set_max_registers(int registers, bool increase) {
 }
 
 uint64_t spin_sleeps() { return this_host().spin_sleeps; }
+
+void end_block_turn() {
+  if (!this_host().running) return;  // a host thread's atomic
+  Block& b = current_block();
+  b.turn_over = true;
+  ++b.progress;
+  yield();
+}
 
 void sleep_in_spin() {
   ++this_host().spin_sleeps;
