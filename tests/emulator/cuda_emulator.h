@@ -319,13 +319,15 @@ inline int __any_sync(unsigned, int predicate) {  // vote.any over the whole war
 }
 
 namespace emu {
-// Ends the running block's turn: the other resident blocks run before its other threads go on.
+// Ends the running block's turn: the other resident blocks may run (those the next turns draw
+// first) before its other threads go on.
 void end_block_turn();
 }
-// Integer atomics: the builtins also order kernels of concurrent host threads (simulated ranks)
-// that share a counter. Each ends its block's turn, so that the other blocks see the counter
-// moved before this block's other warps go on: one moved on before the data it releases is
-// written (a barrier missing) shows.
+// Atomics but the fused backward's float2 sums (below): the builtins also order kernels of
+// concurrent host threads (simulated ranks) that share a counter. Each ends its block's turn, so
+// that other blocks may see the counter moved before this block's other warps go on: one moved on
+// before the data it releases is written (a barrier missing) shows, by chance (7 launches of 8 in
+// test_checks).
 template <typename T>
 T atomicAdd(T* address, T value) {
   const T before = __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);

@@ -124,6 +124,33 @@ __global__ void reverse_turns_kernel(int* counter, int* order) {
   __syncthreads();
 }
 
+// Block 1 releases block 0 by an atomic; block 0's warp polls together, lane 0 reading the flag and
+// shuffling it to the others, each sleeping while it is unset (a warp operation in the spin).
+__global__ void shuffled_spin_kernel(int* flag, int* out) {
+  if (blockIdx.x == 1) {
+    if (threadIdx.x == 0) atomicAdd(flag, 1);
+    return;
+  }
+  int seen;
+  do {
+    seen = threadIdx.x % 32 == 0 ? *reinterpret_cast<volatile int*>(flag) : 0;
+    seen = __shfl_sync(~0u, seen, 0);
+    if (!seen) __nanosleep(64);
+  } while (!seen);
+  if (threadIdx.x == 0) *out = seen;
+}
+
+// Two blocks pass a ball `passes` times by plain stores, each spinning until it holds the ball:
+// handing it on counts no progress in the emulator, its spins do.
+__global__ void ball_kernel(int* ball, int passes) {
+  if (threadIdx.x != 0) return;
+  volatile int* held = ball;
+  for (int pass = int(blockIdx.x); pass < passes; pass += 2) {
+    while (*held != pass) __nanosleep(64);
+    *held = pass + 1;
+  }
+}
+
 // Block 0's warps each write their word of `data`; thread 0 then releases the words to block 1 by
 // moving `flag` on: after the barrier that follows the writes, or (`early`, the bug) before it.
 // Block 1 waits for the flag and sums the words into *out.
@@ -447,6 +474,19 @@ TEST_CASE("blocks that wait on each other through global memory run side by side
   CUDA_CHECK_LAUNCH();
   const std::vector<int> got = order.download();
   for (int turn = 0; turn < kEmulatedBlocks; ++turn) CHECK(got[turn] == kEmulatedBlocks - 1 - turn);
+}
+
+TEST_CASE("spins that meet in a warp shuffle, or hand a value on by plain stores, run to their end") {
+  DeviceBuffer<int> flag(1), out(1);
+  CUDA_CHECK(cudaMemset(flag.get(), 0, sizeof(int)));
+  shuffled_spin_kernel<<<2, 32>>>(flag.get(), out.get());
+  CUDA_CHECK_LAUNCH();
+  CHECK(out.download()[0] == 1);
+  constexpr int kPasses = 50;
+  CUDA_CHECK(cudaMemset(flag.get(), 0, sizeof(int)));
+  ball_kernel<<<2, 32>>>(flag.get(), kPasses);
+  CUDA_CHECK_LAUNCH();
+  CHECK(flag.download()[0] == kPasses);
 }
 
 TEST_CASE("a spin on a block that cannot become resident (one block more than SMs) is a deadlock, named") {

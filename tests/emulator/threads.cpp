@@ -73,7 +73,9 @@ constexpr size_t kMaxStaticSharedBytes = size_t(48) << 10;  // ptxas's limit
 // The stacks of a slot's threads, in one mapping with a guard page below the lowest (a page each
 // would make two memory maps a thread: a resident block each of 8 SMs, of up to 1024 threads, on
 // each simulated rank's host thread passed Linux's 65,530). A thread that overflows its stack
-// writes into the canary at its bottom (checked as each launch ends) or faults on the guard.
+// writes into the stack below it, another thread's (or, the lowest, faults on the guard): found
+// if it writes the 256-byte canary at its stack's bottom (checked as each launch ends), not if a
+// large frame skips over it.
 constexpr size_t kCanaryBytes = 256;
 constexpr unsigned char kCanary = 0xA5;
 struct Stacks {
@@ -234,6 +236,7 @@ struct Block {
   dim3 index;
   bool resident = false;   // running a block of the current launch
   bool turn_over = false;  // a thread ended the block's turn (end_block_turn)
+  bool warp_slept = false;  // a thread of the running warp slept in a spin (sleep_in_spin)
   std::map<const uint64_t*, MBarrier> mbarriers;  // by the barrier's 8 bytes
   std::vector<TmaRegion> tma_regions;              // what the completed copies filled
   // The 16 destination bytes (by their start) of every cp.async issued and not yet landed, any
@@ -338,6 +341,10 @@ void run_warp_to_barrier(Block& b, int w) {
       runnable = true;
       resume(f);
       if (b.turn_over) return;
+      if (b.warp_slept) {  // the warp waits for another block: its next poll in the next turn
+        b.warp_slept = false;
+        return;
+      }
     }
     if (!runnable || b.progress == progress) return;
   }
@@ -882,7 +889,9 @@ void end_block_turn() {
 }
 
 void sleep_in_spin() {
+  if (!this_host().running) return;  // the host's own sleep
   ++this_host().spin_sleeps;
+  current_block().warp_slept = true;
   Fiber& me = *this_host().running;
   me.waiting_for = "a value in global memory that no resident block changes (a spin with __nanosleep)";
   me.waiting_detail = ~0ull;
@@ -964,6 +973,19 @@ bool launchable(const void* kernel, LaunchConfig& c) {
   return true;
 }
 
+// Turns in a row of every resident block, with threads polling in spins and nothing else moving,
+// before it is a deadlock: a thread that leaves its spin and hands a value on by plain stores
+// counts no progress (only barriers, warp operations, atomics and exits do), so a few such turns
+// may still move on; 2^16 of them, well under a second, do not.
+constexpr int kIdleTurns = 1 << 16;
+
+// SPEEDRUN_EMULATOR_SEED=N (default 0) draws the blocks' and warps' turns from another sequence:
+// the same tests under other interleavings.
+const uint64_t schedule_seed = [] {
+  const char* seed = std::getenv("SPEEDRUN_EMULATOR_SEED");
+  return seed ? std::strtoull(seed, nullptr, 10) : 0ull;
+}();
+
 void run_grid(const void* kernel, const LaunchConfig& c, const std::function<void()>& body) {
   HostThread& host = this_host();
   host.body = &body;
@@ -985,7 +1007,8 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
                               unsigned(i / (uint64_t(c.grid.x) * c.grid.y))));
   };
   for (int i = 0; i < resident; ++i) start_next(*host.slots[i]);
-  uint64_t draw = host.launch * 0x9E3779B97F4A7C15ull;  // xorshift64, never zero
+  uint64_t draw = host.launch * 0x9E3779B97F4A7C15ull ^ schedule_seed * 0xD1B54A32D192ED03ull;
+  if (draw == 0) draw = 1;  // xorshift64's one fixed point
   int order[kEmulatedMultiprocessors];
   for (int k = 0; k < resident; ++k) order[k] = k;
   auto next_draw = [&] {
@@ -995,7 +1018,9 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
     return draw;
   };
   bool everyone = false;  // every block runs this turn: the last one, with some paused, moved none
+  int idle_turns = 0;     // turns of every block in a row that moved none, though some thread polled
   for (int running = resident; running > 0;) {
+    const uint64_t sleeps = host.spin_sleeps;
     for (int k = resident - 1; k > 0; --k) std::swap(order[k], order[next_draw() % uint64_t(k + 1)]);
     const uint64_t paused = everyone ? 0 : next_draw();  // bit k: slot k sits this turn out (a slow SM)
     bool moved = false;
@@ -1012,16 +1037,17 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
       else
         --running;
     }
-    if (!moved && !everyone) {
+    if (moved) {
+      everyone = false;
+      idle_turns = 0;
+    } else if (!everyone) {
       everyone = true;
-    } else if (!moved) {
+    } else if (host.spin_sleeps == sleeps || ++idle_turns == kIdleTurns) {
       std::string waits;
       for (int k = 0; k < resident; ++k)
         if (host.slots[k]->resident)
           waits += (waits.empty() ? "" : " | ") + block_name(*host.slots[k]) + ": " + waits_of(*host.slots[k]);
       fatal("deadlock (no resident block can go on) in " + waits);
-    } else {
-      everyone = false;
     }
   }
   for (int k = 0; k < resident; ++k) {
