@@ -1047,7 +1047,8 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
       for (int k = 0; k < resident; ++k)
         if (host.slots[k]->resident)
           waits += (waits.empty() ? "" : " | ") + block_name(*host.slots[k]) + ": " + waits_of(*host.slots[k]);
-      fatal("deadlock (no resident block can go on) in " + waits);
+      fatal("deadlock (no resident block can go on) in " + waits + " (launch " + std::to_string(host.launch) +
+            " of this host thread, SPEEDRUN_EMULATOR_SEED=" + std::to_string(schedule_seed) + ")");
     }
   }
   for (int k = 0; k < resident; ++k) {
