@@ -233,6 +233,7 @@ struct Block {
   std::vector<unsigned char> fenced;
   // Static shared memory, at the offsets the launch gives its variables (HostThread).
   std::unique_ptr<StaticSharedMemory> static_shared = std::make_unique<StaticSharedMemory>();
+  uint64_t linear = 0;  // the block's number in its launch, x fastest
   dim3 index;
   bool resident = false;   // running a block of the current launch
   bool turn_over = false;  // a thread ended the block's turn (end_block_turn)
@@ -367,11 +368,27 @@ std::string waits_of(const Block& b) {
   return report;
 }
 
-// Starts block `index` of the launch in slot b: its threads at their first instruction, its shared
-// memory poisoned.
-void start_block(Block& b, const LaunchConfig& c, dim3 index) {
+// xorshift64: the next of a sequence of draws (state never zero).
+uint64_t next_draw(uint64_t& state) {
+  state ^= state << 13;
+  state ^= state >> 7;
+  state ^= state << 17;
+  return state;
+}
+
+// Items [0, n) in an order drawn from `state` (Fisher-Yates).
+void shuffle(int* items, int n, uint64_t& state) {
+  for (int k = n - 1; k > 0; --k) std::swap(items[k], items[next_draw(state) % uint64_t(k + 1)]);
+}
+
+// Starts the launch's block number `linear` (x fastest) in slot b: its threads at their first
+// instruction, its shared memory poisoned.
+void start_block(Block& b, const LaunchConfig& c, uint64_t linear) {
   const int threads = int(c.block.x * c.block.y * c.block.z), warps = (threads + 31) / 32;
+  const dim3 index(unsigned(linear % c.grid.x), unsigned(linear / c.grid.x % c.grid.y),
+                   unsigned(linear / (uint64_t(c.grid.x) * c.grid.y)));
   b.stacks.reserve(size_t(threads));
+  b.linear = linear;
   b.index = index;
   b.resident = true;
   b.fibers.resize(threads);
@@ -399,7 +416,7 @@ void start_block(Block& b, const LaunchConfig& c, dim3 index) {
   b.shared.resize(c.shared_bytes);
   std::memset(b.shared.data(), 0xFF, b.shared.size());
   std::memset(b.static_shared->bytes, 0xFF, this_host().static_bytes);
-  if (index.x == 0 && index.y == 0 && index.z == 0)
+  if (linear == 0)
     b.fenced = b.shared;
   else
     b.fenced.clear();
@@ -416,18 +433,10 @@ bool step_block(Block& b, uint64_t draw) {
   const int warps = int(b.warps.size());
   int order[kMaxThreadsPerBlock / 32];
   for (int i = 0; i < warps; ++i) order[i] = i;
-  const dim3 grid = b.fibers.front().position.grid_dim;
-  const uint64_t linear = b.index.x + uint64_t(grid.x) * (b.index.y + uint64_t(grid.y) * b.index.z);
-  if (linear == 1) {
+  if (b.linear == 1)
     std::reverse(order, order + warps);
-  } else if (linear > 1) {
-    for (int i = warps - 1; i > 0; --i) {
-      draw ^= draw << 13;
-      draw ^= draw >> 7;
-      draw ^= draw << 17;
-      std::swap(order[i], order[draw % uint64_t(i + 1)]);
-    }
-  }
+  else if (b.linear > 1)
+    shuffle(order, warps, draw);
   b.turn_over = false;
   for (int i = 0; i < warps && !b.turn_over; ++i) run_warp_to_barrier(b, order[i]);
   return b.progress != progress;
@@ -1000,40 +1009,29 @@ void run_grid(const void* kernel, const LaunchConfig& c, const std::function<voi
   const uint64_t blocks = uint64_t(c.grid.x) * c.grid.y * c.grid.z;
   const int resident = int(std::min<uint64_t>(blocks, kEmulatedMultiprocessors));
   while (int(host.slots.size()) < resident) host.slots.push_back(std::make_unique<Block>());
-  uint64_t next = 0;
-  auto start_next = [&](Block& slot) {
-    const uint64_t i = next++;
-    start_block(slot, c, dim3(unsigned(i % c.grid.x), unsigned(i / c.grid.x % c.grid.y),
-                              unsigned(i / (uint64_t(c.grid.x) * c.grid.y))));
-  };
-  for (int i = 0; i < resident; ++i) start_next(*host.slots[i]);
+  uint64_t next = 0;  // the next block to start
+  for (int i = 0; i < resident; ++i) start_block(*host.slots[i], c, next++);
   uint64_t draw = host.launch * 0x9E3779B97F4A7C15ull ^ schedule_seed * 0xD1B54A32D192ED03ull;
   if (draw == 0) draw = 1;  // xorshift64's one fixed point
   int order[kEmulatedMultiprocessors];
   for (int k = 0; k < resident; ++k) order[k] = k;
-  auto next_draw = [&] {
-    draw ^= draw << 13;
-    draw ^= draw >> 7;
-    draw ^= draw << 17;
-    return draw;
-  };
   bool everyone = false;  // every block runs this turn: the last one, with some paused, moved none
   int idle_turns = 0;     // turns of every block in a row that moved none, though some thread polled
   for (int running = resident; running > 0;) {
     const uint64_t sleeps = host.spin_sleeps;
-    for (int k = resident - 1; k > 0; --k) std::swap(order[k], order[next_draw() % uint64_t(k + 1)]);
-    const uint64_t paused = everyone ? 0 : next_draw();  // bit k: slot k sits this turn out (a slow SM)
+    shuffle(order, resident, draw);
+    const uint64_t paused = everyone ? 0 : next_draw(draw);  // bit k: slot k sits this turn out (a slow SM)
     bool moved = false;
     for (int k = 0; k < resident; ++k) {
       Block& b = *host.slots[order[k]];
       if (!b.resident || (paused >> order[k] & 1)) continue;
       host.block = &b;
-      moved |= step_block(b, next_draw());
+      moved |= step_block(b, next_draw(draw));
       if (b.live > 0) continue;
       finish_block(b);
       moved = true;
       if (next < blocks)
-        start_next(b);
+        start_block(b, c, next++);
       else
         --running;
     }
