@@ -112,6 +112,7 @@ struct Hyperparameters {
   std::string qkv_backward = "separate";  // separate or fused (opt-in until measured on a GPU)
   int fp8_logits_algorithm = 0;        // cuBLASLt's heuristic answer for the FP8 logits (bench_kernels fp8 times them)
   std::string matmul_algorithms = "first";  // and for each of the blocks' products (bench_kernels matmul times them)
+  std::string launch_overlap = "none";  // none or pdl (kernels/host/launch.cuh; opt-in until measured on a GPU)
   std::string self_check = "fallback"; // fallback, strict or off
   bool self_check_only = false;        // run the self-check and exit
   int timeline_step = 0;            // > 0: write that step's GPU schedule as a Chrome trace into log_dir
@@ -280,6 +281,11 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "in cuBLASLt's answers for those shapes on that GPU and library (drop the products --qkv or --mlp-fc fused "
        "give to our GEMM)",
        nullptr, ""},
+      {"launch-overlap", &h.launch_overlap,
+       "how each kernel follows the one before it in its stream: none (it starts once that one has completed) or "
+       "pdl (programmatic dependent launch: it is launched while that one's last blocks run and waits inside for "
+       "its completion; opt-in until measured faster on a GPU)",
+       one_of(&h.launch_overlap, {"none", "pdl"}), "none or pdl"},
       {"self-check", &h.self_check,
        "check the fast paths at start-up: fallback (a failing one's reference), strict (exit 6), off",
        one_of(&h.self_check, {"fallback", "strict", "off"}), "fallback, strict or off"},
@@ -2809,6 +2815,7 @@ inline void share_one_gpu(const ProcessGroupEnv& g) {
 
 // command: the command line, for the log
 int run_training(const Hyperparameters& h, const std::string& command) {
+  programmatic_dependent_launch = h.launch_overlap == "pdl";  // before any launch, the self-check's too
   if (h.self_check_only) {  // no data, no ranks: this GPU's fast paths alone
     require_hopper_gpu(select_gpu(launcher_environment().local_rank));
     return self_check_alone(h);

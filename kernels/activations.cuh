@@ -10,6 +10,7 @@
 
 // a[n] = relu(u[n])^2, n a multiple of 8
 __global__ void relu_squared_forward_kernel(const bf16* u, bf16* a, size_t vectors) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < vectors; i += size_t(gridDim.x) * blockDim.x) {
     float v[8];
     load8(u + i * 8, v);
@@ -22,6 +23,7 @@ __global__ void relu_squared_forward_kernel(const bf16* u, bf16* a, size_t vecto
 // du[n] = da[n] * 2 relu(u[n]), relu(u) read from u or (from_square) as sqrt(a)
 template <bool from_square>
 __global__ void relu_squared_backward_kernel(const bf16* u_or_a, const bf16* da, bf16* du, size_t vectors) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < vectors; i += size_t(gridDim.x) * blockDim.x) {
     float v[8], g[8];
     load8(u_or_a + i * 8, v);
@@ -34,15 +36,14 @@ __global__ void relu_squared_backward_kernel(const bf16* u_or_a, const bf16* da,
 
 inline void relu_squared_forward(const bf16* u, bf16* a, size_t n, cudaStream_t stream) {
   if (n % 8) throw std::invalid_argument("relu_squared: size must be a multiple of 8");
-  relu_squared_forward_kernel<<<elementwise_grid(n / 8), 256, 0, stream>>>(u, a, n / 8);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(relu_squared_forward_kernel, elementwise_grid(n / 8), 256, 0, stream, u, a, n / 8));
 }
 
 template <bool from_square>
 void relu_squared_backward_of(const bf16* u_or_a, const bf16* da, bf16* du, size_t n, cudaStream_t stream) {
   if (n % 8) throw std::invalid_argument("relu_squared: size must be a multiple of 8");
-  relu_squared_backward_kernel<from_square><<<elementwise_grid(n / 8), 256, 0, stream>>>(u_or_a, da, du, n / 8);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(relu_squared_backward_kernel<from_square>, elementwise_grid(n / 8), 256, 0, stream, u_or_a,
+                           da, du, n / 8));
 }
 
 inline void relu_squared_backward(const bf16* u, const bf16* da, bf16* du, size_t n, cudaStream_t stream) {

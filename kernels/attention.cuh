@@ -122,6 +122,7 @@ __device__ inline bool attends(const DeviceAttentionMask& m, int t, int s) {
 // One warp per (query t, head h): y[t, h] and lse[h, t] by online softmax over the listed blocks.
 __global__ void attention_forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse,
                                          AttentionTensors a, DeviceAttentionMask m) {
+  await_previous_kernel();
   int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= a.T * a.H) return;
   int t = warp / a.H, h = warp % a.H, qb = t / kAttentionBlock;
@@ -156,6 +157,7 @@ __global__ void attention_forward_kernel(const bf16* q, const bf16* k, const bf1
 // elements of each as one 8-byte load (y and dy 8-byte aligned): four 2-byte loads each made the
 // pass load-unit bound, as QK norm + RoPE's were (docs/PERF.md, 2026-11-27).
 __global__ void attention_delta_kernel(const bf16* y, const bf16* dy, float* delta, int T, int H) {
+  await_previous_kernel();
   int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= T * H) return;
   int t = warp / H, h = warp % H;
@@ -173,6 +175,7 @@ __global__ void attention_delta_kernel(const bf16* y, const bf16* dy, float* del
 __global__ void attention_backward_dq_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dy,
                                              const float* lse, const float* delta, bf16* dq,
                                              AttentionTensors a, DeviceAttentionMask m) {
+  await_previous_kernel();
   int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= a.T * a.H) return;
   int t = warp / a.H, h = warp % a.H, qb = t / kAttentionBlock;
@@ -212,6 +215,7 @@ __global__ void attention_backward_dq_kernel(const bf16* q, const bf16* k, const
 __global__ void attention_backward_dkv_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dy,
                                               const float* lse, const float* delta, bf16* dk, bf16* dv,
                                               AttentionTensors a, DeviceAttentionMask m) {
+  await_previous_kernel();
   int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= a.T * a.H) return;
   int s = warp / a.H, h = warp % a.H, kb = s / kAttentionBlock;
@@ -293,8 +297,8 @@ inline int attention_grid(const AttentionTensors& a, int warps_per_block) {
 inline void attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* y, float* lse, const AttentionTensors& a,
                               const AttentionMask& mask, cudaStream_t stream) {
   check_attention_shape(a, mask);
-  attention_forward_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, y, lse, a, mask.device());
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(
+      launch_kernel(attention_forward_kernel, attention_grid(a, 8), 256, 0, stream, q, k, v, y, lse, a, mask.device()));
 }
 
 // Every attention backward takes scratch of this many floats: delta [H, T] first; the fused flash
@@ -315,10 +319,9 @@ inline void attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
       throw std::invalid_argument(std::string("attention backward: ") + name +
                                   " must start 8-byte aligned (attention_delta_kernel reads 4 elements at a time)");
   float* delta = scratch;  // [H, T]
-  attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, delta, a.T, a.H);
-  CUDA_CHECK_LAUNCH();
-  attention_backward_dq_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, dy, lse, delta, dq, a, mask.device());
-  CUDA_CHECK_LAUNCH();
-  attention_backward_dkv_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(q, k, v, dy, lse, delta, dk, dv, a, mask.device());
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(attention_delta_kernel, attention_grid(a, 8), 256, 0, stream, y, dy, delta, a.T, a.H));
+  CUDA_CHECK(launch_kernel(attention_backward_dq_kernel, attention_grid(a, 8), 256, 0, stream, q, k, v, dy, lse, delta,
+                           dq, a, mask.device()));
+  CUDA_CHECK(launch_kernel(attention_backward_dkv_kernel, attention_grid(a, 8), 256, 0, stream, q, k, v, dy, lse, delta,
+                           dk, dv, a, mask.device()));
 }

@@ -63,6 +63,7 @@ template <class GradientStore, int fma_exps, int second_fma_exps>
 __global__ void __launch_bounds__(kCrossEntropyThreads)
 softcap_cross_entropy_kernel(const bf16* logits, const uint16_t* targets, float* losses, int V, Softcap sc,
                              float grad_scale, GradientStore store) {
+  await_previous_kernel();
   extern __shared__ float4 sig_smem[];  // [V / 4]: the row's sigmoids (row_sigmoid)
   const int t = blockIdx.x, vectors = V / 8;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -142,9 +143,8 @@ void softcap_cross_entropy(const bf16* logits, const uint16_t* targets, float* l
   static_assert(0 <= fma_exps && fma_exps <= 8 && 0 <= second_fma_exps && second_fma_exps <= 8, "of 8 exponentials");
   CUDA_CHECK(cudaFuncSetAttribute(softcap_cross_entropy_kernel<GradientStore, fma_exps, second_fma_exps>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  softcap_cross_entropy_kernel<GradientStore, fma_exps, second_fma_exps>
-      <<<T, kCrossEntropyThreads, smem, stream>>>(logits, targets, losses, V, sc, grad_scale, store);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(softcap_cross_entropy_kernel<GradientStore, fma_exps, second_fma_exps>, T,
+                           kCrossEntropyThreads, smem, stream, logits, targets, losses, V, sc, grad_scale, store));
 }
 
 // grad_scale = 1: the gradient of the summed loss (training) overwrites the logits; 0: losses only
@@ -158,6 +158,7 @@ constexpr int kLossSumThreads = 1024;
 
 // *total += losses[0] + ... + losses[T - 1] in double, in a fixed order (one block).
 __global__ void __launch_bounds__(kLossSumThreads) accumulate_loss_kernel(const float* losses, int T, double* total) {
+  await_previous_kernel();
   __shared__ double partial[kLossSumThreads];
   double sum = 0;
   for (int t = threadIdx.x; t < T; t += blockDim.x) sum += losses[t];
@@ -172,6 +173,5 @@ __global__ void __launch_bounds__(kLossSumThreads) accumulate_loss_kernel(const 
 // The step's losses summed on the device as micro-sequences finish: the host reads the total once
 // per step (or validation) instead of waiting for every micro-sequence.
 inline void accumulate_loss(const float* losses, int T, double* total, cudaStream_t stream) {
-  accumulate_loss_kernel<<<1, kLossSumThreads, 0, stream>>>(losses, T, total);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(accumulate_loss_kernel, 1, kLossSumThreads, 0, stream, losses, T, total));
 }

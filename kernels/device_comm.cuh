@@ -132,6 +132,7 @@ struct RankBuffers {
 template <typename T>
 __global__ void sum_rank_buffers_kernel(RankBuffers in, int contributors, size_t offset, T* out, size_t count,
                                         float divisor) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
     float sum = 0;
     for (int q = 0; q < contributors; ++q) sum += float(static_cast<const T*>(in.at[q])[offset + i]);
@@ -268,12 +269,11 @@ class SimulatedDeviceWorld {
     RankBuffers in{};
     for (int q = 0; q < world_size(); ++q) in.at[q] = posted_[q];
     if (dtype == DeviceDType::f32)
-      sum_rank_buffers_kernel<<<elementwise_grid(count), 256, 0, stream>>>(in, contributors, offset,
-                                                                           static_cast<float*>(out), count, divisor);
+      CUDA_CHECK(launch_kernel(sum_rank_buffers_kernel<float>, elementwise_grid(count), 256, 0, stream, in, contributors,
+                               offset, static_cast<float*>(out), count, divisor));
     else
-      sum_rank_buffers_kernel<<<elementwise_grid(count), 256, 0, stream>>>(in, contributors, offset,
-                                                                           static_cast<bf16*>(out), count, divisor);
-    CUDA_CHECK_LAUNCH();
+      CUDA_CHECK(launch_kernel(sum_rank_buffers_kernel<bf16>, elementwise_grid(count), 256, 0, stream, in, contributors,
+                               offset, static_cast<bf16*>(out), count, divisor));
   }
 
   RankThreads threads_;
@@ -303,6 +303,7 @@ inline GradComm parse_grad_comm(const std::string& name) {
 
 // out[count] = sum over q of in[q * count + i], fp32 accumulation in rank order
 __global__ void sum_chunks_kernel(const bf16* in, int chunks, float* out, size_t count) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
     float sum = 0;
     for (int q = 0; q < chunks; ++q) sum += __bfloat162float(in[q * count + i]);
@@ -325,8 +326,8 @@ inline void reduce_scatter_grads(DeviceCommunicator& comm, GradComm mode, const 
     case GradComm::a2a_fp32acc:
       convert(send, scratch, total, stream);
       comm.all_to_all(scratch, scratch + total, count, DeviceDType::bf16, stream);
-      sum_chunks_kernel<<<elementwise_grid(count), 256, 0, stream>>>(scratch + total, comm.world_size(), recv, count);
-      CUDA_CHECK_LAUNCH();
+      CUDA_CHECK(launch_kernel(sum_chunks_kernel, elementwise_grid(count), 256, 0, stream, scratch + total,
+                               comm.world_size(), recv, count));
       return;
   }
 }

@@ -1,7 +1,10 @@
 // Small device helpers shared by the kernel headers: warp/block reductions, 16-byte vectors,
-// the grid of elementwise kernels, fp32 <-> bf16 conversion, asynchronous uploads of host arrays.
+// the grid of elementwise kernels, fp32 <-> bf16 conversion, asynchronous uploads of host arrays,
+// and every kernel's first statement (await_previous_kernel).
 #pragma once
 #include "kernels/host/cuda_check.cuh"
+#include "kernels/host/launch.cuh"
+#include "kernels/ptx.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -13,6 +16,16 @@
 #include <vector>
 
 using bf16 = __nv_bfloat16;
+
+// The first statement of every kernel in kernels/ (tests/test_kernel_entry.py checks it): under
+// programmatic dependent launch (kernels/host/launch.cuh) it waits until the kernel before it in
+// the stream has completed and its writes are visible, then lets the next kernel launch (its
+// blocks take SMs as this kernel's last ones leave them, and wait there in turn). Launched without
+// PDL, both instructions do nothing.
+__device__ inline void await_previous_kernel() {
+  ptx::griddepcontrol_wait();
+  ptx::griddepcontrol_launch_dependents();
+}
 
 __device__ inline float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -132,6 +145,7 @@ inline size_t frobenius_chunks(size_t n) { return std::max<size_t>((n + kFrobeni
 template <typename T>
 __global__ void __launch_bounds__(kFrobeniusThreads)
     frobenius_partials_kernel(const T* x, size_t n, bool vectors, float* partials) {
+  await_previous_kernel();
   const size_t first = blockIdx.x * kFrobeniusChunk, end = first + kFrobeniusChunk < n ? first + kFrobeniusChunk : n;
   const T* matrix = x + blockIdx.y * n;
   float ss = 0;
@@ -154,6 +168,7 @@ __global__ void __launch_bounds__(kFrobeniusThreads)
 
 // norms[m] = sqrt(partials[m * chunks] + ... + partials[m * chunks + chunks - 1]), a warp per matrix
 __global__ void frobenius_finish_kernel(const float* partials, int chunks, float* norms) {
+  await_previous_kernel();
   const float* mine = partials + size_t(blockIdx.x) * chunks;
   float ss = 0;
   for (int c = threadIdx.x; c < chunks; c += 32) ss += mine[c];
@@ -166,11 +181,9 @@ template <typename T>
 void frobenius_norms(const T* x, int batch, size_t n, float* partials, float* norms, cudaStream_t stream) {
   const size_t chunks = frobenius_chunks(n);
   const bool vectors = n % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  frobenius_partials_kernel<<<dim3(unsigned(chunks), unsigned(batch)), kFrobeniusThreads, 0, stream>>>(x, n, vectors,
-                                                                                                        partials);
-  CUDA_CHECK_LAUNCH();
-  frobenius_finish_kernel<<<batch, 32, 0, stream>>>(partials, int(chunks), norms);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(frobenius_partials_kernel<T>, dim3(unsigned(chunks), unsigned(batch)), kFrobeniusThreads, 0,
+                           stream, x, n, vectors, partials));
+  CUDA_CHECK(launch_kernel(frobenius_finish_kernel, batch, 32, 0, stream, partials, int(chunks), norms));
 }
 
 // The current device's SMs (asked once: a process drives one device).
@@ -193,6 +206,7 @@ inline int elementwise_grid(size_t items) {
 
 template <typename From, typename To>
 __global__ void convert_kernel(const From* in, To* out, size_t n) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = To(float(in[i]));
 }
@@ -200,13 +214,13 @@ __global__ void convert_kernel(const From* in, To* out, size_t n) {
 // out[n] = in[n] converted (fp32 -> bf16 rounds to nearest even)
 template <typename From, typename To>
 void convert(const From* in, To* out, size_t n, cudaStream_t stream) {
-  convert_kernel<<<elementwise_grid(n), 256, 0, stream>>>(in, out, n);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(convert_kernel<From, To>, elementwise_grid(n), 256, 0, stream, in, out, n));
 }
 
 // *sum += the 32-bit words of data[words] added as integers: independent of the order of the
 // additions, so equal buffers give equal sums on every GPU (a checksum, not a hash).
 __global__ void word_sum_kernel(const uint32_t* data, size_t words, unsigned long long* sum) {
+  await_previous_kernel();
   unsigned long long local = 0;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
     local += data[i];
@@ -216,8 +230,8 @@ __global__ void word_sum_kernel(const uint32_t* data, size_t words, unsigned lon
 // The word sum of `bytes` (a multiple of 4) at data; synchronous (the caller compares it on the host).
 inline uint64_t device_word_sum(const void* data, size_t bytes, unsigned long long* scratch, cudaStream_t stream) {
   CUDA_CHECK(cudaMemsetAsync(scratch, 0, sizeof *scratch, stream));
-  word_sum_kernel<<<elementwise_grid(bytes / 4), 256, 0, stream>>>(static_cast<const uint32_t*>(data), bytes / 4, scratch);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(word_sum_kernel, elementwise_grid(bytes / 4), 256, 0, stream,
+                           static_cast<const uint32_t*>(data), bytes / 4, scratch));
   unsigned long long sum = 0;
   CUDA_CHECK(cudaMemcpyAsync(&sum, scratch, sizeof sum, cudaMemcpyDeviceToHost, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));

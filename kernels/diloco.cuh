@@ -109,6 +109,7 @@ inline std::vector<SlicePiece> slice_pieces(const std::vector<ParamStorage>& fra
 // ------------------------------------------------------------------------------------------------
 template <typename T>
 __global__ void pseudo_gradient_kernel(const T* local, const float* global, float* out, size_t n, bool flipped) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = flipped ? float(local[i]) - global[i] : global[i] - float(local[i]);
 }
@@ -117,6 +118,7 @@ __global__ void pseudo_gradient_kernel(const T* local, const float* global, floa
 // momentum null: global -= lr avg, the momentum neither read nor written (the final average).
 __global__ void outer_nesterov_kernel(const float* sum, float divisor, float* momentum, float* global, size_t n,
                                       float lr, float mu, bool reset) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float avg = sum[i] / divisor;
     if (!momentum) {
@@ -132,6 +134,7 @@ __global__ void outer_nesterov_kernel(const float* sum, float divisor, float* mo
 // out = global + alpha (local - global): torch's global.lerp_(local, alpha).
 template <typename T>
 __global__ void mix_kernel(const T* local, const float* global, T* out, size_t n, float alpha) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = T(global[i] + alpha * (float(local[i]) - global[i]));
 }
@@ -346,12 +349,13 @@ class DiLoCo {
     for (const SlicePiece& p : sl.mine) {
       const int grid = elementwise_grid(p.count);
       if (p.param.bf16)
-        pseudo_gradient_kernel<<<grid, 256, 0, stream>>>(static_cast<const bf16*>(p.param.data) + p.first, sl.global + p.at,
-                                                         send_ + p.at, p.count, flipped);
+        CUDA_CHECK(launch_kernel(pseudo_gradient_kernel<bf16>, grid, 256, 0, stream,
+                                 static_cast<const bf16*>(p.param.data) + p.first, sl.global + p.at, send_ + p.at,
+                                 p.count, flipped));
       else
-        pseudo_gradient_kernel<<<grid, 256, 0, stream>>>(static_cast<const float*>(p.param.data) + p.first,
-                                                         sl.global + p.at, send_ + p.at, p.count, flipped);
-      CUDA_CHECK_LAUNCH();
+        CUDA_CHECK(launch_kernel(pseudo_gradient_kernel<float>, grid, 256, 0, stream,
+                                 static_cast<const float*>(p.param.data) + p.first, sl.global + p.at, send_ + p.at,
+                                 p.count, flipped));
     }
     CUDA_CHECK(cudaEventRecord(ready_, stream));
     CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, ready_, 0));
@@ -404,10 +408,9 @@ class DiLoCo {
     const size_t valid = my_valid(sl);
     const float divisor = float(injected_fault() == Fault::diloco_average_by_world ? G * group_.world_size() : G);
     frobenius_norms(received_, 1, valid, norm_partials_, norm_, stream);
-    outer_nesterov_kernel<<<elementwise_grid(valid), 256, 0, stream>>>(
-        received_, divisor, average ? nullptr : sl.momentum, sl.global, valid, average ? 1.0f : float(s_.outer_lr),
-        float(s_.outer_momentum), injected_fault() == Fault::diloco_momentum_reset);
-    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(launch_kernel(outer_nesterov_kernel, elementwise_grid(valid), 256, 0, stream, received_, divisor,
+                             average ? nullptr : sl.momentum, sl.global, valid, average ? 1.0f : float(s_.outer_lr),
+                             float(s_.outer_momentum), injected_fault() == Fault::diloco_momentum_reset));
     // the mix is written in place; the fault writes it to a copy (send_), as torchft#233 fixed
     const bool to_copy = injected_fault() == Fault::diloco_mix_to_copy;
     for (const SlicePiece& piece : sl.mine) {
@@ -415,13 +418,14 @@ class DiLoCo {
       if (piece.param.bf16) {
         const bf16* local = static_cast<const bf16*>(piece.param.data) + piece.first;
         bf16* out = to_copy ? reinterpret_cast<bf16*>(send_) : const_cast<bf16*>(local);
-        mix_kernel<<<grid, 256, 0, stream>>>(local, sl.global + piece.at, out, piece.count, float(alpha));
+        CUDA_CHECK(launch_kernel(mix_kernel<bf16>, grid, 256, 0, stream, local, sl.global + piece.at, out, piece.count,
+                                 float(alpha)));
       } else {
         const float* local = static_cast<const float*>(piece.param.data) + piece.first;
         float* out = to_copy ? send_ : const_cast<float*>(local);
-        mix_kernel<<<grid, 256, 0, stream>>>(local, sl.global + piece.at, out, piece.count, float(alpha));
+        CUDA_CHECK(launch_kernel(mix_kernel<float>, grid, 256, 0, stream, local, sl.global + piece.at, out, piece.count,
+                                 float(alpha)));
       }
-      CUDA_CHECK_LAUNCH();
     }
     gather_in_group(sl, stream);
   }

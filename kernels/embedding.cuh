@@ -15,6 +15,7 @@
 
 // out[T, d] = table[tokens[t], :], d a multiple of 8
 __global__ void embedding_forward_kernel(const uint16_t* tokens, const bf16* table, bf16* out, int T, int d) {
+  await_previous_kernel();
   const int vectors_per_row = d / 8;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(T) * vectors_per_row;
        i += size_t(gridDim.x) * blockDim.x) {
@@ -30,8 +31,8 @@ inline void check_embedding_width(int d) {
 // tokens [T] (device), table [V, d], out [T, d]
 inline void embedding_forward(const uint16_t* tokens, const bf16* table, bf16* out, int T, int d, cudaStream_t stream) {
   check_embedding_width(d);
-  embedding_forward_kernel<<<elementwise_grid(size_t(T) * (d / 8)), 256, 0, stream>>>(tokens, table, out, T, d);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(embedding_forward_kernel, elementwise_grid(size_t(T) * (d / 8)), 256, 0, stream, tokens,
+                           table, out, T, d));
 }
 
 // Positions a backward block sums at most. One block per distinct token let a frequent token
@@ -119,6 +120,7 @@ constexpr int kEmbeddingWarps = 8;  // segments per 256-thread block
 __global__ void embedding_segment_kernel(const int32_t* positions, const int32_t* segment_begin,
                                          const int32_t* segment_row, const int32_t* segment_partial, const bf16* dout,
                                          float* grad, float* scratch, const float* scale, int d, int segments) {
+  await_previous_kernel();
   const int s = blockIdx.x * kEmbeddingWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (s >= segments) return;
   const int first = segment_begin[s], last = segment_begin[s + 1], to_scratch = segment_partial[s];
@@ -147,6 +149,7 @@ __global__ void embedding_segment_kernel(const int32_t* positions, const int32_t
 // Block j adds scale times the sum of split token j's segment sums, in segment order, to its row.
 __global__ void embedding_split_kernel(const int32_t* split_row, const int32_t* split_first, const float* scratch,
                                        float* grad, const float* scale, int d) {
+  await_previous_kernel();
   const int j = blockIdx.x, first = split_first[j], last = split_first[j + 1];
   const float factor = scale ? *scale : 1.0f;
   float* row = grad + size_t(split_row[j]) * d;
@@ -165,12 +168,10 @@ inline void embedding_backward(const EmbeddingBackwardPlan& plan, const bf16* do
   check_embedding_width(d);
   if (plan.segments() == 0) return;
   const int blocks = (plan.segments() + kEmbeddingWarps - 1) / kEmbeddingWarps;
-  embedding_segment_kernel<<<blocks, 32 * kEmbeddingWarps, 0, stream>>>(plan.positions(), plan.segment_begin(),
-                                                                       plan.segment_row(), plan.segment_partial(),
-                                                                       dout, grad, scratch, scale, d, plan.segments());
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(embedding_segment_kernel, blocks, 32 * kEmbeddingWarps, 0, stream, plan.positions(),
+                           plan.segment_begin(), plan.segment_row(), plan.segment_partial(), dout, grad, scratch, scale,
+                           d, plan.segments()));
   if (plan.split_tokens() == 0) return;
-  embedding_split_kernel<<<plan.split_tokens(), 256, 0, stream>>>(plan.split_row(), plan.split_first(), scratch, grad,
-                                                                  scale, d);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(embedding_split_kernel, plan.split_tokens(), 256, 0, stream, plan.split_row(),
+                           plan.split_first(), scratch, grad, scale, d));
 }

@@ -311,6 +311,7 @@ __device__ inline void store_forward_rows(bf16* y, float* lse, const float (&o)[
 // P V product runs.
 __global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* y,
                                                            float* lse, AttentionTensors a, DeviceAttentionMask m) {
+  await_previous_kernel();
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, K of even and odd blocks, V of even and odd blocks
   bf16* q_tile = tiles;
@@ -411,6 +412,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     forward_ws_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                       const __grid_constant__ CUtensorMap v_map, bf16* y, float* lse, AttentionTensors a,
                       DeviceAttentionMask m) {
+  await_previous_kernel();
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, K of stages 0 and 1, V of stages 0 and 1
   bf16* q_tile = tiles;
@@ -546,6 +548,7 @@ __device__ inline void score_gradients(const float (&p)[N][4], float (&dp)[N][4]
 __global__ void __launch_bounds__(kThreads) backward_dq_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                const bf16* dy, const float* lse, const float* delta,
                                                                bf16* dq, AttentionTensors a, DeviceAttentionMask m) {
+  await_previous_kernel();
   extern __shared__ __align__(128) bf16 shared_tiles[];
   bf16* tiles = align_to_swizzle_atom(shared_tiles);  // Q, dY, then per stage K and V
   bf16 *q_tile = tiles, *dy_tile = tiles + kTileElements;
@@ -919,6 +922,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(const bf16* q, c
                                                                 bf16* dq, bf16* dk, bf16* dv, DqPartialSums dq_sums,
                                                                 QkvGradient grad, AttentionTensors a,
                                                                 DeviceAttentionMask m) {
+  await_previous_kernel();
   static_assert(fused_dq || !into_dqkv, "dq's part rides on the fused backward's dq sums");
   constexpr bool persistent = fused_dq && !into_dqkv;
   extern __shared__ __align__(128) bf16 shared_tiles[];
@@ -1117,9 +1121,8 @@ inline void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v,
   const size_t smem = flash::kForwardSharedBytes;  // one CTA per SM
   flash::set_shared_memory(flash::forward_kernel, smem);
   const int items = a.T / flash::kTile * a.H;
-  flash::forward_kernel<<<std::min(items, multiprocessor_count()), flash::kThreads, smem, stream>>>(q, k, v, y, lse, a,
-                                                                                                 mask.device());
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(flash::forward_kernel, std::min(items, multiprocessor_count()), flash::kThreads, smem,
+                           stream, q, k, v, y, lse, a, mask.device()));
 }
 
 // The warp-specialised forward (flash::forward_ws_kernel, `--attention flash-ws`): the same
@@ -1135,9 +1138,8 @@ inline void flash_attention_forward_ws(const bf16* q, const bf16* k, const bf16*
   const size_t smem = flash::kForwardSharedBytes;  // Q and two stages of K and V, as forward_kernel
   flash::set_shared_memory(flash::forward_ws_kernel, smem);
   const int items = a.T / flash::kTile * a.H;
-  flash::forward_ws_kernel<<<std::min(items, multiprocessor_count()), flash::kWsThreads, smem, stream>>>(
-      q_map, k_map, v_map, y, lse, a, mask.device());
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(flash::forward_ws_kernel, std::min(items, multiprocessor_count()), flash::kWsThreads, smem,
+                           stream, q_map, k_map, v_map, y, lse, a, mask.device()));
 }
 
 // The checks of every flash backward (the inputs, and the outputs it names) and their first kernel:
@@ -1153,8 +1155,7 @@ inline void flash_attention_backward_start(const bf16* q, const bf16* k, const b
                                {"lse", lse, kFlashCopiedAlignment}, {"scratch", scratch, kFlashCopiedAlignment},
                                {"y", y, kFlashDeltaAlignment}});
   check_flash_operands(outputs);
-  attention_delta_kernel<<<attention_grid(a, 8), 256, 0, stream>>>(y, dy, scratch, a.T, a.H);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(attention_delta_kernel, attention_grid(a, 8), 256, 0, stream, y, dy, scratch, a.T, a.H));
 }
 
 // The fused backward's kernel (after flash_attention_backward_start), its counters zeroed first.
@@ -1170,9 +1171,8 @@ void launch_fused_backward(const bf16* q, const bf16* k, const bf16* v, const bf
   flash::set_shared_memory(flash::backward_dkv_kernel<true, into_dqkv>, smem);
   // into dq persistent, a CTA an SM (its shared memory allows one); into dqkv a CTA an item
   const int items = a.T / flash::kTile * a.H, ctas = into_dqkv ? items : std::min(items, multiprocessor_count());
-  flash::backward_dkv_kernel<true, into_dqkv><<<ctas, flash::kThreads, smem, stream>>>(
-      q, k, v, dy, lse, scratch, dq, dk, dv, sums, grad, a, mask.device());
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(flash::backward_dkv_kernel<true, into_dqkv>, ctas, flash::kThreads, smem, stream, q, k, v,
+                           dy, lse, scratch, dq, dk, dv, sums, grad, a, mask.device()));
 }
 
 // The fused backward: one kernel computes, per (kv block, head), dk, dv and dq's contributions from
@@ -1227,10 +1227,9 @@ inline void flash_attention_backward_split(const bf16* q, const bf16* k, const b
   const size_t smem = flash::kBackwardSharedBytes;
   const dim3 grid(a.T / flash::kTile, a.H);
   flash::set_shared_memory(flash::backward_dq_kernel, smem);
-  flash::backward_dq_kernel<<<grid, flash::kThreads, smem, stream>>>(q, k, v, dy, lse, scratch, dq, a, mask.device());
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(flash::backward_dq_kernel, grid, flash::kThreads, smem, stream, q, k, v, dy, lse, scratch,
+                           dq, a, mask.device()));
   flash::set_shared_memory(flash::backward_dkv_kernel<false>, smem);
-  flash::backward_dkv_kernel<false><<<grid, flash::kThreads, smem, stream>>>(
-      q, k, v, dy, lse, scratch, nullptr, dk, dv, flash::DqPartialSums{}, flash::QkvGradient{}, a, mask.device());
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(flash::backward_dkv_kernel<false>, grid, flash::kThreads, smem, stream, q, k, v, dy, lse,
+                           scratch, nullptr, dk, dv, flash::DqPartialSums{}, flash::QkvGradient{}, a, mask.device()));
 }

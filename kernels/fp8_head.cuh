@@ -101,6 +101,7 @@ __device__ inline void transpose_4x4_bytes(const uint32_t (&rows)[4], uint32_t (
 template <Fp8Kind kind, typename In>
 __global__ void __launch_bounds__(256)
     fp8_quantize_kernel(const In* in, fp8* out, fp8* out_t, int rows, int cols, float inv_scale) {
+  await_previous_kernel();
   __shared__ uint32_t tile[kFp8Tile][kFp8Tile / 4 + 1];  // FP8 bytes [row][col]; +1 word staggers banks
   const int r0 = blockIdx.y * kFp8Tile, c0 = blockIdx.x * kFp8Tile;
   const int part = threadIdx.x % 8, line = threadIdx.x / 8;  // 8 threads per 64-element line, 32 lines
@@ -135,8 +136,7 @@ __global__ void __launch_bounds__(256)
 template <Fp8Kind kind, typename In>
 void fp8_quantize(const In* in, fp8* out, fp8* out_t, int rows, int cols, float inv_scale, cudaStream_t stream) {
   dim3 grid((cols + kFp8Tile - 1) / kFp8Tile, (rows + kFp8Tile - 1) / kFp8Tile);
-  fp8_quantize_kernel<kind, In><<<grid, 256, 0, stream>>>(in, out, out_t, rows, cols, inv_scale);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(fp8_quantize_kernel<kind, In>, grid, 256, 0, stream, in, out, out_t, rows, cols, inv_scale));
 }
 
 // out_t [cols, rows] = the transpose of the FP8 bytes in [rows, cols] (16-byte aligned).

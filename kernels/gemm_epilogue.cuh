@@ -118,6 +118,7 @@ template <BLayout b_layout, typename Epilogue>
 __global__ void __launch_bounds__(kWsThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                 const __grid_constant__ CUtensorMap c_map, const Epilogue epilogue, int M, int N, int K) {
+  await_previous_kernel();
   extern __shared__ __align__(128) bf16 shared_tiles[];
   // stage s: A tile [128 rows][64 k], then B tile: [256 rows][64 k] (K-major) or four [64 k][64 n]
   // boxes (N-major), each in the 128-byte swizzle; after the stages, the output tile
@@ -220,9 +221,8 @@ void gemm(const bf16* a, const bf16* b, bf16* c, int M, int N, int K, Epilogue e
   CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<b_layout, Epilogue>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   int(kSharedBytes)));
   const int tile_count = M / kTileRows * (N / kTileCols);
-  gemm_kernel<b_layout, Epilogue><<<std::min(tile_count, multiprocessor_count()), kWsThreads, kSharedBytes, stream>>>(
-      a_map, b_map, c_map, epilogue, M, N, K);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(gemm_kernel<b_layout, Epilogue>, std::min(tile_count, multiprocessor_count()), kWsThreads,
+                           kSharedBytes, stream, a_map, b_map, c_map, epilogue, M, N, K));
 }
 
 }  // namespace gemm_epilogue

@@ -86,6 +86,7 @@ __device__ inline float muon_momentum_step(const MuonMatrix& m, size_t i, float 
 // [rows, cols] (a wide or square matrix, iterated as it is).
 __global__ void muon_momentum_kernel(const __grid_constant__ MuonLaunch launch, bf16* x, size_t n, float momentum,
                                      float grad_scale) {
+  await_previous_kernel();
   const MuonMatrix& m = launch.matrices[blockIdx.y];
   x += blockIdx.y * n;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
@@ -103,6 +104,7 @@ __host__ __device__ inline int muon_tiles(int rows, int cols) {
 // The momentum pass of a tall matrix [rows, cols]: x stored [cols, rows].
 __global__ void __launch_bounds__(kMuonTileThreads) muon_momentum_transposed_kernel(
     const __grid_constant__ MuonLaunch launch, bf16* x, int rows, int cols, float momentum, float grad_scale) {
+  await_previous_kernel();
   __shared__ float tile[kMuonTile][kMuonTile + 1];  // [row][col] of the matrix, x's values
   const MuonMatrix& m = launch.matrices[blockIdx.y];
   x += blockIdx.y * size_t(rows) * cols;
@@ -122,6 +124,7 @@ __global__ void __launch_bounds__(kMuonTileThreads) muon_momentum_transposed_ker
 // x[batch, n] row i divided by norms[i] + 1e-7, 8 elements a thread (n a multiple of 8; x is a Muon
 // workspace buffer, 256-byte aligned)
 __global__ void scale_by_inverse_norms_kernel(bf16* x, size_t n, size_t total, const float* norms) {
+  await_previous_kernel();
   for (size_t v = blockIdx.x * size_t(blockDim.x) + threadIdx.x; v < total / 8; v += size_t(gridDim.x) * blockDim.x) {
     float values[8];
     load8(x + 8 * v, values);
@@ -134,6 +137,7 @@ __global__ void scale_by_inverse_norms_kernel(bf16* x, size_t n, size_t total, c
 
 // Matrix blockIdx.y of the launch: p[n] -= lr * x; x: the launch's first matrix's.
 __global__ void muon_apply_kernel(const __grid_constant__ MuonLaunch launch, const bf16* x, size_t n, float lr) {
+  await_previous_kernel();
   float* p = launch.matrices[blockIdx.y].p;
   x += blockIdx.y * n;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
@@ -144,6 +148,7 @@ __global__ void muon_apply_kernel(const __grid_constant__ MuonLaunch launch, con
 __global__ void __launch_bounds__(kMuonTileThreads) muon_apply_transposed_kernel(const __grid_constant__ MuonLaunch launch,
                                                                                  const bf16* x, int rows, int cols,
                                                                                  float lr) {
+  await_previous_kernel();
   __shared__ float tile[kMuonTile][kMuonTile + 1];  // [row][col] of the matrix
   float* p = launch.matrices[blockIdx.y].p;
   x += blockIdx.y * size_t(rows) * cols;
@@ -176,8 +181,8 @@ void for_each_muon_launch(const std::vector<MuonMatrix>& matrices, Pass pass) {
 inline void newton_schulz5(MuonWorkspace& ws, int batch, int r, int k, Matmul& matmul, cudaStream_t stream) {
   const size_t n = size_t(r) * k, rr = size_t(r) * r;
   frobenius_norms(ws.x_, batch, n, ws.norm_partials_, ws.norms_, stream);
-  scale_by_inverse_norms_kernel<<<elementwise_grid(batch * n / 8), 256, 0, stream>>>(ws.x_, n, batch * n, ws.norms_);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(scale_by_inverse_norms_kernel, elementwise_grid(batch * n / 8), 256, 0, stream, ws.x_, n,
+                           batch * n, ws.norms_));
   auto batched = [batch](int64_t stride_a, int64_t stride_b, int64_t stride_c) {
     MatmulOptions o;
     o.batch = {batch, stride_a, stride_b, stride_c};
@@ -220,20 +225,19 @@ inline void muon_update(const std::vector<MuonMatrix>& matrices, int rows, int c
   };
   for_each_muon_launch(matrices, [&](const MuonLaunch& launch, size_t first, int count) {
     if (transpose)
-      muon_momentum_transposed_kernel<<<grid(count), kMuonTileThreads, 0, stream>>>(launch, ws.x_ + first * n, rows,
-                                                                                   cols, s.momentum, s.grad_scale);
+      CUDA_CHECK(launch_kernel(muon_momentum_transposed_kernel, grid(count), kMuonTileThreads, 0, stream, launch,
+                               ws.x_ + first * n, rows, cols, s.momentum, s.grad_scale));
     else
-      muon_momentum_kernel<<<grid(count), 256, 0, stream>>>(launch, ws.x_ + first * n, n, s.momentum, s.grad_scale);
-    CUDA_CHECK_LAUNCH();
+      CUDA_CHECK(launch_kernel(muon_momentum_kernel, grid(count), 256, 0, stream, launch, ws.x_ + first * n, n,
+                               s.momentum, s.grad_scale));
   });
   newton_schulz5(ws, batch, r, k, matmul, stream);
   for_each_muon_launch(matrices, [&](const MuonLaunch& launch, size_t first, int count) {
     if (transpose)
-      muon_apply_transposed_kernel<<<grid(count), kMuonTileThreads, 0, stream>>>(launch, ws.x_ + first * n, rows, cols,
-                                                                                lr);
+      CUDA_CHECK(launch_kernel(muon_apply_transposed_kernel, grid(count), kMuonTileThreads, 0, stream, launch,
+                               ws.x_ + first * n, rows, cols, lr));
     else
-      muon_apply_kernel<<<grid(count), 256, 0, stream>>>(launch, ws.x_ + first * n, n, lr);
-    CUDA_CHECK_LAUNCH();
+      CUDA_CHECK(launch_kernel(muon_apply_kernel, grid(count), 256, 0, stream, launch, ws.x_ + first * n, n, lr));
   });
 }
 

@@ -32,6 +32,7 @@ void with_norm_vectors(int n, F&& f) {
 // y[rows, n] = rmsnorm(x[rows, n])
 template <int vectors>
 __global__ void rmsnorm_forward_kernel(const bf16* x, bf16* y, int rows, int n, float eps) {
+  await_previous_kernel();
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
   const bf16* xr = x + size_t(row) * n;
@@ -85,6 +86,7 @@ __device__ inline void rmsnorm_backward_row(const bf16* x, const bf16* dy, int n
 template <int vectors>
 __global__ void __launch_bounds__(kNormThreads, vectors <= 3 ? 4 : 2)
     rmsnorm_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, float eps, bool accumulate) {
+  await_previous_kernel();
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
   size_t base = size_t(row) * n;
@@ -112,9 +114,9 @@ inline void rmsnorm_forward(const bf16* x, bf16* y, int rows, int n, cudaStream_
   constexpr int warps = kNormThreads / 32;
   with_norm_vectors(n, [&](auto vectors) {
     constexpr int v = decltype(vectors)::value;
-    rmsnorm_forward_kernel<v><<<(rows + warps - 1) / warps, warps * 32, 0, stream>>>(x, y, rows, n, eps);
+    CUDA_CHECK(launch_kernel(rmsnorm_forward_kernel<v>, (rows + warps - 1) / warps, warps * 32, 0, stream, x, y, rows,
+                             n, eps));
   });
-  CUDA_CHECK_LAUNCH();
 }
 
 inline void rmsnorm_backward(const bf16* x, const bf16* dy, bf16* dx, int rows, int n, bool accumulate,
@@ -123,8 +125,7 @@ inline void rmsnorm_backward(const bf16* x, const bf16* dy, bf16* dx, int rows, 
   constexpr int warps = kNormThreads / 32;
   with_norm_vectors(n, [&](auto vectors) {
     constexpr int v = decltype(vectors)::value;
-    rmsnorm_backward_kernel<v>
-        <<<(rows + warps - 1) / warps, warps * 32, 0, stream>>>(x, dy, dx, rows, n, eps, accumulate);
+    CUDA_CHECK(launch_kernel(rmsnorm_backward_kernel<v>, (rows + warps - 1) / warps, warps * 32, 0, stream, x, dy, dx,
+                             rows, n, eps, accumulate));
   });
-  CUDA_CHECK_LAUNCH();
 }

@@ -47,6 +47,7 @@ __device__ inline void adam_elements(P* p, const G* g, S* m, S* v, int64_t i, co
 // the rest one a thread; otherwise (a pointer off 16 bytes) one a thread throughout.
 template <typename P, typename G, typename S>
 __global__ void adam_kernel(P* p, const G* g, S* m, S* v, int64_t n, AdamStep s, float step_size, bool vectors) {
+  await_previous_kernel();
   const int64_t stride = int64_t(gridDim.x) * blockDim.x, first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t vectorised = vectors ? n / 8 * 8 : 0;
   for (int64_t i = first * 8; i < vectorised; i += stride * 8) adam_elements<8>(p, g, m, v, i, s, step_size);
@@ -59,7 +60,6 @@ void adam_update(P* p, const G* g, S* m, S* v, int64_t n, const AdamStep& s, cud
   float step_size = float(s.lr * std::sqrt(bias2) / bias1);
   const bool vectors = (reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(g) | reinterpret_cast<uintptr_t>(m) |
                         reinterpret_cast<uintptr_t>(v)) % 16 == 0;
-  adam_kernel<<<elementwise_grid(size_t(vectors ? (n + 7) / 8 : n)), 256, 0, stream>>>(p, g, m, v, n, s, step_size,
-                                                                                       vectors);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(adam_kernel<P, G, S>, elementwise_grid(size_t(vectors ? (n + 7) / 8 : n)), 256, 0, stream, p, g, m, v,
+                           n, s, step_size, vectors));
 }

@@ -1,5 +1,5 @@
-// The PTX instructions of the tensor-core kernels, one wrapper each (cp.async, ex2, rcp, stmatrix, and sm_90a's
-// wgmma, mbarriers, TMA copies, named barriers and register reallocation).
+// The PTX instructions of the kernels, one wrapper each (cp.async, ex2, rcp, stmatrix, griddepcontrol, and
+// sm_90a's wgmma, mbarriers, TMA copies, named barriers and register reallocation).
 // Kept apart so that the CPU emulator of the tests (tests/emulator/ptx.cuh) can give each one its
 // documented meaning while the kernels around them run unchanged.
 #pragma once
@@ -39,6 +39,14 @@ __device__ inline float rcp_ftz(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+
+// Programmatic dependent launch (kernels/host/launch.cuh). In a kernel launched with it,
+// griddepcontrol.wait returns once the kernel launched before it in its stream has completed and
+// its memory writes are visible (in a kernel launched without it, at once);
+// griddepcontrol.launch_dependents lets the kernel launched after this one start once every block
+// of this one has issued it or exited (the next kernel then waits inside for this one's completion).
+__device__ inline void griddepcontrol_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ inline void griddepcontrol_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // ---- wgmma (sm_90a): a warpgroup's (4 warps, 128 threads) asynchronous matrix product ----------
 

@@ -65,6 +65,7 @@ struct ReklsMatrix {
 };
 
 __global__ void rekls_identity_kernel(float* q, int k) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(k) * k; i += size_t(gridDim.x) * blockDim.x)
     q[i] = i / k == i % k ? 1.0f : 0.0f;
 }
@@ -73,13 +74,12 @@ __global__ void rekls_identity_kernel(float* q, int k) {
 inline void rekls_reset_state(float* state, int m, int n, cudaStream_t stream) {
   CUDA_CHECK(cudaMemsetAsync(state, 0, ReklsBuffers::elems(m, n) * sizeof(float), stream));
   const ReklsBuffers s = ReklsBuffers::at(state, m, n);
-  rekls_identity_kernel<<<elementwise_grid(size_t(m) * m), 256, 0, stream>>>(s.QL, m);
-  CUDA_CHECK_LAUNCH();
-  rekls_identity_kernel<<<elementwise_grid(size_t(n) * n), 256, 0, stream>>>(s.QR, n);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(rekls_identity_kernel, elementwise_grid(size_t(m) * m), 256, 0, stream, s.QL, m));
+  CUDA_CHECK(launch_kernel(rekls_identity_kernel, elementwise_grid(size_t(n) * n), 256, 0, stream, s.QR, n));
 }
 
 __global__ void rekls_scale_kernel(const float* in, float* out, size_t n, float scale) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = in[i] * scale;
 }
@@ -88,6 +88,7 @@ __global__ void rekls_scale_kernel(const float* in, float* out, size_t n, float 
 // KL correction Q diag(max(lam, eps)^-1) Q^T / dim applied to the gradient in that basis.
 __global__ void rekls_kl_scale_kernel(const float* x, float* out, int rows, int cols, const float* lam, bool by_row,
                                       float dim, float eps) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(rows) * cols;
        i += size_t(gridDim.x) * blockDim.x) {
     const float l = lam[by_row ? i / cols : i % cols];
@@ -98,6 +99,7 @@ __global__ void rekls_kl_scale_kernel(const float* x, float* out, int rows, int 
 // lam[j] = (Q^T A Q)[j, j] = sum_i Q[i, j] (A Q)[i, j], AQ = A Q [k, k]: a factor's eigenvalues
 // in a kept basis. A thread per column, the rows in order.
 __global__ void rekls_diagonal_in_basis_kernel(const float* Q, const float* AQ, float* lam, int k) {
+  await_previous_kernel();
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < k; j += gridDim.x * blockDim.x) {
     float sum = 0;
     for (int i = 0; i < k; ++i) sum += Q[size_t(i) * k + j] * AQ[size_t(i) * k + j];
@@ -108,6 +110,7 @@ __global__ void rekls_diagonal_in_basis_kernel(const float* Q, const float* AQ, 
 // syevd's ascending eigenvalues w and eigenvectors (column-major, i.e. row j of `vectors` is the
 // j-th) into Q [k, k] (columns, descending: torch.linalg.eigh flipped, utils/eig.py:67-69) and lam.
 __global__ void rekls_descending_basis_kernel(const float* vectors, const float* w, float* Q, float* lam, int k) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(k) * k; i += size_t(gridDim.x) * blockDim.x) {
     const int row = int(i / k), col = int(i % k);
     Q[i] = vectors[size_t(k - 1 - col) * k + row];
@@ -118,6 +121,7 @@ __global__ void rekls_descending_basis_kernel(const float* vectors, const float*
 // Adam in the rotated basis (adam.py:66-88): M, V updated, U = (M / bias1) / (sqrt(V / bias2) + eps).
 __global__ void rekls_adam_kernel(const float* rotated, float* M, float* V, float* U, size_t n, float beta1, float beta2,
                                   float bias1, float bias2, float eps) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float g = rotated[i];
     const float m = beta1 * M[i] + (1 - beta1) * g, v = beta2 * V[i] + (1 - beta2) * g * g;
@@ -129,6 +133,7 @@ __global__ void rekls_adam_kernel(const float* rotated, float* M, float* V, floa
 
 // p <- p - lr wd p - lr update (decoupled weight decay, soap.py:258-263 and 286)
 __global__ void rekls_apply_kernel(float* p, const float* update, size_t n, float lr, float weight_decay) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     p[i] = p[i] - lr * weight_decay * p[i] - lr * update[i];
 }
@@ -218,17 +223,16 @@ class Rekls {
   void update_factors(const ReklsMatrix& x, int m, int n, const ReklsSettings& cfg, const ReklsStep& step) {
     const size_t mn = size_t(m) * n;
     const ReklsBuffers s = ReklsBuffers::at(x.state, m, n);
-    rekls_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x.g, g_, mn, step.grad_scale);
-    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(launch_kernel(rekls_scale_kernel, elementwise_grid(mn), 256, 0, stream_, x.g, g_, mn, step.grad_scale));
     const double t = double(step.t);
     const float b = float(1 - (1 - double(cfg.shampoo_beta)) / (1 - std::pow(double(cfg.shampoo_beta), t)));
     product(g_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);  // X = G Q_R
-    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x_, y_, m, n, s.lam_R, false, float(n), cfg.eps);
-    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(launch_kernel(rekls_kl_scale_kernel, elementwise_grid(mn), 256, 0, stream_, x_, y_, m, n, s.lam_R, false,
+                             float(n), cfg.eps));
     product(y_, Transpose::N, x_, Transpose::T, s.L, m, m, n, 1 - b, b);
     product(s.QL, Transpose::T, g_, Transpose::N, x_, m, n, m);  // X = Q_L^T G
-    rekls_kl_scale_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x_, y_, m, n, s.lam_L, true, float(m), cfg.eps);
-    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(launch_kernel(rekls_kl_scale_kernel, elementwise_grid(mn), 256, 0, stream_, x_, y_, m, n, s.lam_L, true,
+                             float(m), cfg.eps));
     product(x_, Transpose::T, y_, Transpose::N, s.R, n, n, m, 1 - b, b);
   }
 
@@ -237,8 +241,8 @@ class Rekls {
   void eigenvalues_in_basis(const Factor& f, int k) {
     if (injected_fault() == Fault::rekls_stale_eigenvalues) return;
     product(f.factor, Transpose::N, f.Q, Transpose::N, vectors_, k, k, k);
-    rekls_diagonal_in_basis_kernel<<<(k + 255) / 256, 256, 0, stream_>>>(f.Q, vectors_, f.lam, k);
-    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(
+        launch_kernel(rekls_diagonal_in_basis_kernel, (k + 255) / 256, 256, 0, stream_, f.Q, vectors_, f.lam, k));
   }
 
   // On a refresh, M out of the old basis before the decompositions and into the new one after.
@@ -260,14 +264,13 @@ class Rekls {
     product(t_, Transpose::N, s.QR, Transpose::N, x_, m, n, n);
     const double t = double(step.t);
     const float bias1 = float(1 - std::pow(double(cfg.beta1), t)), bias2 = float(1 - std::pow(double(cfg.beta2), t));
-    rekls_adam_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x_, s.M, s.V, y_, mn, cfg.beta1, cfg.beta2, bias1,
-                                                                 bias2, cfg.eps);
-    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(launch_kernel(rekls_adam_kernel, elementwise_grid(mn), 256, 0, stream_, x_, s.M, s.V, y_, mn, cfg.beta1,
+                             cfg.beta2, bias1, bias2, cfg.eps));
     const Transpose back = injected_fault() == Fault::rekls_rotation_untransposed ? Transpose::N : Transpose::T;
     product(y_, Transpose::N, s.QR, back, t_, m, n, n);  // Q_L U Q_R^T
     product(s.QL, Transpose::N, t_, Transpose::N, x_, m, n, m);
-    rekls_apply_kernel<<<elementwise_grid(mn), 256, 0, stream_>>>(x.p, x_, mn, step.lr, cfg.weight_decay);
-    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(launch_kernel(rekls_apply_kernel, elementwise_grid(mn), 256, 0, stream_, x.p, x_, mn, step.lr,
+                             cfg.weight_decay));
   }
 
   // A solver's nonzero info stops the run, naming the call and the factor's size.
@@ -292,9 +295,8 @@ class Rekls {
     CUDA_CHECK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     check_info(info, "cusolverDnXsyevd", k);
-    rekls_descending_basis_kernel<<<elementwise_grid(size_t(k) * k), 256, 0, stream_>>>(vectors_, values_, f.Q, f.lam,
-                                                                                          k);
-    CUDA_CHECK_LAUNCH();
+    CUDA_CHECK(launch_kernel(rekls_descending_basis_kernel, elementwise_grid(size_t(k) * k), 256, 0, stream_, vectors_,
+                             values_, f.Q, f.lam, k));
   }
 
   cusolverDnHandle_t solver_ = nullptr;

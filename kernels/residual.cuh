@@ -44,6 +44,7 @@ __device__ inline float weighted(float a, float x, float b, float y) { return a 
 // out[T, d] = a x[T, d; row stride x_stride] + b y[T, d]; a or b null means 1, y null means no y term
 __global__ void weighted_sum_forward_kernel(const bf16* x, int x_stride, const float* a, const bf16* y, const float* b,
                                             bf16* out, int T, int d) {
+  await_previous_kernel();
   const int vectors_per_row = d / 8;
   const float alpha = a ? *a : 1.0f, beta = !y ? 0.0f : b ? *b : 1.0f;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(T) * vectors_per_row;
@@ -61,8 +62,8 @@ __global__ void weighted_sum_forward_kernel(const bf16* x, int x_stride, const f
 inline void weighted_sum_forward(const bf16* x, const float* a, const bf16* y, const float* b, bf16* out, int T, int d,
                                  int x_stride, cudaStream_t stream) {
   check_residual_width(d, x_stride);
-  weighted_sum_forward_kernel<<<elementwise_grid(size_t(T) * d / 8), 256, 0, stream>>>(x, x_stride, a, y, b, out, T, d);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(weighted_sum_forward_kernel, elementwise_grid(size_t(T) * d / 8), 256, 0, stream, x,
+                           x_stride, a, y, b, out, T, d));
 }
 
 // A block's input in one pass over its rows, one warp a row: the three separate passes
@@ -75,6 +76,7 @@ template <int vectors>
 __global__ void mix_norm_forward_kernel(const bf16* prev, const bf16* skip, const float* w, bf16* x_in, const bf16* x0,
                                         const float* l0, const float* l1, bf16* x_mixed, bf16* h, int T, int d,
                                         float eps) {
+  await_previous_kernel();
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= T) return;
   const size_t base = size_t(row) * d;
@@ -119,10 +121,9 @@ inline void mix_norm_forward(const bf16* prev, const bf16* skip, const float* w,
   const int warps = 8;
   with_norm_vectors(d, [&](auto vectors) {
     constexpr int v = decltype(vectors)::value;
-    mix_norm_forward_kernel<v><<<(T + warps - 1) / warps, warps * 32, 0, stream>>>(prev, skip, w, x_in, x0, l0, l1,
-                                                                                  x_mixed, h, T, d, eps);
+    CUDA_CHECK(launch_kernel(mix_norm_forward_kernel<v>, (T + warps - 1) / warps, warps * 32, 0, stream, prev, skip, w,
+                             x_in, x0, l0, l1, x_mixed, h, T, d, eps));
   });
-  CUDA_CHECK_LAUNCH();
 }
 
 // The backward of out = a x + b y for one dout[T, d]:
@@ -134,6 +135,7 @@ inline void mix_norm_forward(const bf16* prev, const bf16* skip, const float* w,
 __global__ void __launch_bounds__(256, 8)
     weighted_sum_backward_kernel(const bf16* dout, const bf16* x, int x_stride, const float* a, const bf16* y,
                                  const float* b, bf16* dx, bf16* dy, bool accumulate_dy, float* partial, int T, int d) {
+  await_previous_kernel();
   const int vectors_per_row = d / 8;
   const float alpha = a ? *a : 1.0f, beta = !dy ? 0.0f : b ? *b : 1.0f;
   float dot_x = 0, dot_y = 0;
@@ -177,6 +179,7 @@ __global__ void __launch_bounds__(256, 8)
 // dc += sum(partial[2 blocks, 3 blocks)), each in block order
 __global__ void add_scalar_gradients_kernel(const float* partial, int blocks, float* da, float* db,
                                             float* dc = nullptr) {
+  await_previous_kernel();
   float sum_x = 0, sum_y = 0, sum_z = 0;
   for (int i = threadIdx.x; i < blocks; i += blockDim.x) {
     sum_x += partial[i], sum_y += partial[blocks + i];
@@ -195,8 +198,7 @@ __global__ void add_scalar_gradients_kernel(const float* partial, int blocks, fl
 // The same on the stream (da, db or dc null: that sum is skipped).
 inline void add_scalar_gradients(const float* partial, int blocks, float* da, float* db, float* dc,
                                  cudaStream_t stream) {
-  add_scalar_gradients_kernel<<<1, 256, 0, stream>>>(partial, blocks, da, db, dc);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(add_scalar_gradients_kernel, 1, 256, 0, stream, partial, blocks, da, db, dc));
 }
 
 // Gradients of out = a x + b y (a or b null: 1): dx (stride x_stride, may alias dout) = a dout, dy (+)= b dout, and
@@ -208,9 +210,8 @@ inline void weighted_sum_backward(const bf16* dout, const bf16* x, const float* 
   check_residual_width(d, x_stride);
   if (dx == dout && !a) dx = nullptr;  // dx = 1 * dout in place: nothing to write
   const int blocks = scalar_reduction_blocks(T, d);
-  weighted_sum_backward_kernel<<<blocks, 256, 0, stream>>>(dout, da ? x : nullptr, x_stride, a, db ? y : nullptr, b,
-                                                           dx, dy, accumulate_dy, scratch, T, d);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(weighted_sum_backward_kernel, blocks, 256, 0, stream, dout, da ? x : nullptr, x_stride, a,
+                           db ? y : nullptr, b, dx, dy, accumulate_dy, scratch, T, d));
   if (!da && !db) return;
   add_scalar_gradients(scratch, blocks, da, db, nullptr, stream);
 }
@@ -228,6 +229,7 @@ __global__ void mix_norm_backward_kernel(const bf16* x_mixed, const bf16* dh, bf
                                          const bf16* x0, const float* l0, const float* l1, bf16* dx0,
                                          const bf16* skip, const float* w, bf16* dskip, const bf16* dx_plus,
                                          float* partial, int T, int d, float eps) {
+  await_previous_kernel();
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const float lambda0 = *l0, lambda1 = *l1, skip_weight = skip ? *w : 0.0f;
   float dot_in = 0, dot_x0 = 0, dot_skip = 0;
@@ -304,15 +306,15 @@ inline void mix_norm_backward(const bf16* x_mixed, const bf16* dh, bf16* dx, con
   const int warps = 8, blocks = std::min(kMixNormBackwardBlocks, (T + warps - 1) / warps);
   with_norm_vectors(d, [&](auto vectors) {
     constexpr int v = decltype(vectors)::value;
-    mix_norm_backward_kernel<v><<<blocks, warps * 32, 0, stream>>>(x_mixed, dh, dx, x_in, x0, l0, l1, dx0, skip, w,
-                                                                   dskip, dx_plus, scratch, T, d, eps);
+    CUDA_CHECK(launch_kernel(mix_norm_backward_kernel<v>, blocks, warps * 32, 0, stream, x_mixed, dh, dx, x_in, x0, l0,
+                             l1, dx0, skip, w, dskip, dx_plus, scratch, T, d, eps));
   });
-  CUDA_CHECK_LAUNCH();
   add_scalar_gradients(scratch, blocks, dl0, dl1, dw, stream);
 }
 
 // dst[n] += src[n], bf16, n a multiple of 8
 __global__ void add_into_kernel(const bf16* src, bf16* dst, size_t vectors) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < vectors; i += size_t(gridDim.x) * blockDim.x) {
     float s[8], t[8];
     load8(src + i * 8, s);
@@ -325,8 +327,7 @@ __global__ void add_into_kernel(const bf16* src, bf16* dst, size_t vectors) {
 
 inline void add_into(const bf16* src, bf16* dst, size_t n, cudaStream_t stream) {
   if (n % 8) throw std::invalid_argument("add_into: size must be a multiple of 8");
-  add_into_kernel<<<elementwise_grid(n / 8), 256, 0, stream>>>(src, dst, n / 8);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(add_into_kernel, elementwise_grid(n / 8), 256, 0, stream, src, dst, n / 8));
 }
 
 // y[T, n] = x[T, k] W[n, k]^T + residual[T, n] (bf16): with `fused`, the residual is cuBLASLt's C

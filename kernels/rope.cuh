@@ -48,6 +48,7 @@ __device__ inline void rope_rotate(float v[4], const float* cos_sin_t, int lane,
 // qkv [T, 3, H, 128] raw projections -> q, k [T, H, 128] normalised and rotated.
 __global__ void qk_norm_rope_forward_kernel(const bf16* qkv, const float* cos_sin, bf16* q, bf16* k, int T,
                                             int H, float eps) {
+  await_previous_kernel();
   int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= T * H * 2) return;
   int which = warp % 2, th = warp / 2, t = th / H, h = th % H;
@@ -66,6 +67,7 @@ __global__ void qk_norm_rope_forward_kernel(const bf16* qkv, const float* cos_si
 // dq, dk [T, H, 128] -> the q and k parts of dqkv [T, 3, H, 128] (the v part is left untouched).
 __global__ void qk_norm_rope_backward_kernel(const bf16* qkv, const bf16* dq, const bf16* dk,
                                              const float* cos_sin, bf16* dqkv, int T, int H, float eps) {
+  await_previous_kernel();
   int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= T * H * 2) return;
   int which = warp % 2, th = warp / 2, t = th / H, h = th % H;
@@ -87,14 +89,13 @@ __global__ void qk_norm_rope_backward_kernel(const bf16* qkv, const bf16* dq, co
 inline void qk_norm_rope_forward(const bf16* qkv, const float* cos_sin, bf16* q, bf16* k, int T, int H,
                                  cudaStream_t stream, float eps = kRmsEps) {
   const int warps = 8, items = T * H * 2;
-  qk_norm_rope_forward_kernel<<<(items + warps - 1) / warps, warps * 32, 0, stream>>>(qkv, cos_sin, q, k, T, H, eps);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(qk_norm_rope_forward_kernel, (items + warps - 1) / warps, warps * 32, 0, stream, qkv,
+                           cos_sin, q, k, T, H, eps));
 }
 
 inline void qk_norm_rope_backward(const bf16* qkv, const bf16* dq, const bf16* dk, const float* cos_sin, bf16* dqkv,
                                   int T, int H, cudaStream_t stream, float eps = kRmsEps) {
   const int warps = 8, items = T * H * 2;
-  qk_norm_rope_backward_kernel<<<(items + warps - 1) / warps, warps * 32, 0, stream>>>(qkv, dq, dk, cos_sin, dqkv,
-                                                                                       T, H, eps);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(qk_norm_rope_backward_kernel, (items + warps - 1) / warps, warps * 32, 0, stream, qkv, dq,
+                           dk, cos_sin, dqkv, T, H, eps));
 }

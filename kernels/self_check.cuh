@@ -267,6 +267,7 @@ inline double qkv_backward_error(const SelfCheckShape& s, const uint16_t* tokens
 // FP8 bytes as the bf16 values they encode (exact: bf16 holds every e4m3 and e5m2 value).
 template <Fp8Kind kind>
 __global__ void fp8_to_bf16_kernel(const fp8* in, bf16* out, size_t n) {
+  await_previous_kernel();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16(
         float(__half(__nv_cvt_fp8_to_halfraw(in[i], kind == Fp8Kind::e4m3 ? __NV_E4M3 : __NV_E5M2))));
@@ -274,8 +275,7 @@ __global__ void fp8_to_bf16_kernel(const fp8* in, bf16* out, size_t n) {
 
 template <Fp8Kind kind>
 void fp8_to_bf16(const fp8* in, bf16* out, size_t n, cudaStream_t stream) {
-  fp8_to_bf16_kernel<kind><<<elementwise_grid(n), 256, 0, stream>>>(in, out, n);
-  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(launch_kernel(fp8_to_bf16_kernel<kind>, elementwise_grid(n), 256, 0, stream, in, out, n));
 }
 
 // The FP8 head (a forward, the loss and its gradient, a backward on random rows) against bf16

@@ -84,6 +84,8 @@ void* dynamic_shared_memory();
 // the barrier after it) or refilled while other threads still read it shows as NaN. The source is
 // read at the issue. wait(n) lands every committed group but the n newest; uncommitted copies wait
 // for a commit.
+// griddepcontrol.wait: the running thread may touch memory from here on (check_previous_kernel_awaited).
+void grid_dependency_wait();
 void async_copy(void* shared, const void* global, size_t bytes);
 void async_copy_commit();
 void async_copy_wait(int pending_groups_left);
@@ -204,11 +206,24 @@ T& static_shared(size_t alignment, Site) {
 // address that is not a multiple of its alignment faults ("misaligned address"), x86's does not,
 // so a cast to such an address stops the program here, naming `type` as written.
 [[noreturn]] void misaligned_cast(const char* type, const void* p, size_t alignment);
+
+// Whether the running CUDA thread belongs to a launch with programmatic dependent launch
+// (kernels/host/launch.cuh) and has not yet passed its griddepcontrol.wait: the kernel before it
+// in the stream may still be writing, so the thread must not touch memory. Set per thread as it is
+// resumed (threads.cpp); false between kernels.
+extern __thread bool awaiting_previous_kernel;
+[[noreturn]] void memory_before_previous_kernel(const char* what);
+// Every access the emulator sees (a vector cast, an atomic, a cp.async or TMA copy) asks this first.
+inline void check_previous_kernel_awaited(const char* what) {
+  if (awaiting_previous_kernel) memory_before_previous_kernel(what);
+}
+
 template <typename To, typename From>
 To aligned_cast(const char* type, From* p) {
   using Target = std::remove_cv_t<std::remove_pointer_t<To>>;
   if constexpr (std::is_object_v<Target>)
     if (reinterpret_cast<uintptr_t>(p) % alignof(Target)) misaligned_cast(type, p, alignof(Target));
+  check_previous_kernel_awaited(type);
   return reinterpret_cast<To>(p);
 }
 
@@ -219,6 +234,7 @@ struct LaunchConfig {
   size_t shared_bytes;
   cudaStream_t stream;
   size_t static_budget = 0;  // the static shared memory the launch allows (set by launchable)
+  bool programmatic = false;  // with programmatic dependent launch: each thread must wait before touching memory
 };
 
 // Streams. By default the work of every call (a launch, a copy, a library call) runs as the call
@@ -264,6 +280,7 @@ class MatmulCalls {
 };
 void record_matmul_call(const MatmulCall& call);
 
+[[noreturn]] void fatal_launch_attribute(int id);  // one the emulator does not model
 // Records a launch error as cudaGetLastError reports it, for a configuration the GPU refuses;
 // otherwise fixes the launch's limits as they are at the call.
 bool launchable(const void* kernel, LaunchConfig& config);
@@ -271,15 +288,34 @@ bool launchable(const void* kernel, LaunchConfig& config);
 void run_grid(const void* kernel, const LaunchConfig& config, const std::function<void()>& body);
 
 // `call` invokes the kernel with its arguments (a generic lambda: a kernel template is deduced as
-// <<<>>> deduces it); `kernel` is its address, or null for a deduced template.
+// <<<>>> deduces it); `kernel` is its address, or null for a deduced template. Returns the launch's
+// error (also what cudaGetLastError reports next).
 template <typename Call, typename... Args>
-void launch(const LaunchConfig& config, const void* kernel, Call call, Args&&... args) {
+cudaError_t launch(const LaunchConfig& config, const void* kernel, Call call, Args&&... args) {
   std::tuple<std::decay_t<Args>...> copied(std::forward<Args>(args)...);  // once, as a launch copies them
   LaunchConfig fixed = config;
-  if (!launchable(kernel, fixed)) return;
+  if (!launchable(kernel, fixed)) return cudaPeekAtLastError();
   enqueue(fixed.stream, [fixed, kernel, call, copied]() mutable {
     run_grid(kernel, fixed, [&] { std::apply(call, copied); });
   });
+  return cudaSuccess;
+}
+
+// cudaLaunchKernelEx, which translate.py routes here (kernels/host/launch.cuh's launch_kernel): the
+// arguments converted to the kernel's parameter types as CUDA's own template converts them, and the
+// one launch attribute the kernels use, programmatic dependent launch, kept for the launch's
+// threads (threads.cpp: each must pass griddepcontrol.wait before it touches memory or exits).
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel_ex(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args&&... args) {
+  LaunchConfig c(config->gridDim, config->blockDim, config->dynamicSmemBytes, config->stream);
+  for (unsigned i = 0; i < config->numAttrs; ++i) {
+    if (config->attrs[i].id != cudaLaunchAttributeProgrammaticStreamSerialization)
+      fatal_launch_attribute(int(config->attrs[i].id));
+    c.programmatic = config->attrs[i].val.programmaticStreamSerializationAllowed != 0;
+  }
+  return [&](Params... converted) {
+    return launch(c, reinterpret_cast<const void*>(kernel), [kernel](auto... a) { kernel(a...); }, converted...);
+  }(std::forward<Args>(args)...);
 }
 
 template <typename T>
@@ -330,6 +366,7 @@ void end_block_turn();
 // test_checks).
 template <typename T>
 T atomicAdd(T* address, T value) {
+  emu::check_previous_kernel_awaited("atomicAdd");
   const T before = __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
   emu::end_block_turn();
   return before;

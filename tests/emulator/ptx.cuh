@@ -54,6 +54,13 @@ inline float rcp_ftz(float x) {
   return std::fpclassify(y) == FP_SUBNORMAL ? std::copysign(0.0f, y) : y;
 }
 
+// griddepcontrol: the emulator runs a stream's kernels one after another, so the previous kernel
+// has always completed; the wait marks where the thread may touch memory (a thread of a launch with
+// programmatic dependent launch that touches it before, or exits without waiting, stops the test),
+// and letting the next kernel launch early changes nothing here.
+inline void griddepcontrol_wait() { ::emu::grid_dependency_wait(); }
+inline void griddepcontrol_launch_dependents() {}
+
 // prefetch.global.L2: a hint about caches, which the emulator has none of.
 inline void prefetch_l2(const void*) {}
 

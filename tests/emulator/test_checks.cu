@@ -32,6 +32,8 @@
 //   memory run, and a wait on a block that cannot become resident is a deadlock that names the spin;
 //   an integer atomic ends its block's turn, so a counter moved on before the barrier after the data
 //   it releases shows (the other block reads the data unwritten).
+// - under programmatic dependent launch a thread that loads before its griddepcontrol.wait, or
+//   exits without one, stops the program; launched plainly the same kernels run;
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
 #include "kernels/check_arrays.cuh"
@@ -346,6 +348,19 @@ __global__ void __launch_bounds__(128, 1) staged_wgmma_kernel(float* out, bool f
   out[threadIdx.x] = box_product(box);
 }
 
+// Under programmatic dependent launch (kernels/host/launch.cuh): eight values loaded before the
+// thread's griddepcontrol.wait (a bug: the kernel before it may still write them) or after it.
+__global__ void load_around_wait_kernel(const bf16* in, float* out, bool load_first) {
+  float v[8];
+  if (load_first) load8(in, v);
+  ptx::griddepcontrol_wait();
+  if (!load_first) load8(in, v);
+  out[threadIdx.x] = v[0];
+}
+
+// A kernel without griddepcontrol.wait (a bug under programmatic dependent launch).
+__global__ void never_waits_kernel(float* out) { out[threadIdx.x] = 1; }
+
 // out[0] = in[0], one thread (a stream's read of what another stream wrote).
 __global__ void copy_one_kernel(const float* in, float* out) { out[0] = in[0]; }
 
@@ -448,6 +463,27 @@ TEST_CASE("a cp.async to shared bytes another copy in flight writes stops the pr
   check_refused("a cp.async to shared memory that another copy still in flight writes",
                 [&](size_t wait_between) { cp_async_twice_kernel<<<1, 1, 16>>>(b.at<bf16>(0), b.out, wait_between); },
                 0, 1);
+}
+
+TEST_CASE("programmatic dependent launch: a load before griddepcontrol.wait, or no wait, stops; a plain launch needs none") {
+  Buffers b;
+  const bf16* in = b.at<bf16>(0);
+  auto launched = [&](bool programmatic, auto kernel, auto... args) {
+    return in_child([&] {
+      programmatic_dependent_launch = programmatic;
+      CUDA_CHECK(launch_kernel(kernel, 2, 64, 0, nullptr, args...));
+    });
+  };
+  const Outcome early = launched(true, load_around_wait_kernel, in, b.out, true);
+  const Outcome never = launched(true, never_waits_kernel, b.out);
+  std::printf("  %s  %s", early.errors.c_str(), never.errors.c_str());
+  CHECK(early.aborted && early.errors.find("accessed memory (const Bf16x8*) before its griddepcontrol.wait") !=
+                             std::string::npos);
+  CHECK(never.aborted && never.errors.find("exited without griddepcontrol.wait") != std::string::npos);
+  for (const Outcome& ran : {launched(true, load_around_wait_kernel, in, b.out, false),
+                             launched(false, load_around_wait_kernel, in, b.out, true),
+                             launched(false, never_waits_kernel, b.out)})
+    CHECK(!ran.aborted && ran.exit_code == 0 && ran.errors.empty());
 }
 
 TEST_CASE("a static __shared__ variable read before it is written holds poison in every block") {

@@ -161,11 +161,13 @@ struct Fiber {
   uint64_t waiting_detail = 0;         // which one (a barrier's shared byte, a named barrier's id)
   bool wgmma_fenced = false;     // a wgmma.fence since the last commit
   bool copies_unfenced = false;  // cp.async copies landed since the last fence.proxy.async
+  bool awaiting_previous_kernel = false;  // of a programmatic launch, before its griddepcontrol.wait
 
   // A fresh thread at `at`, keeping the containers' memory (blocks start by the thousand).
-  void start(const ThreadPosition& at, void* stack_pointer) {
+  void start(const ThreadPosition& at, void* stack_pointer, bool programmatic) {
     sp = stack_pointer;
     done = at_barrier = wgmma_fenced = copies_unfenced = false;
+    awaiting_previous_kernel = programmatic;
     waiting_for = nullptr;
     seen_phases.clear();
     barrier_generation = 0;
@@ -294,6 +296,10 @@ void fiber_main(void*) {
   if (!me.stores_uncommitted.empty() || !me.stores_committed.empty())
     fatal("a thread exited with TMA stores it never waited for (cp.async.bulk.wait_group): the shared memory they "
           "read goes with the block");
+  if (me.awaiting_previous_kernel)
+    fatal("a thread of a launch with programmatic dependent launch exited without griddepcontrol.wait: the kernel "
+          "after it may then run before the kernel before it completes (kernels/device_utils.cuh's "
+          "await_previous_kernel is every kernel's first statement)");
   me.done = true;
   Block& b = current_block();
   --b.live;
@@ -321,9 +327,11 @@ void* initial_stack(char* top) {
 void resume(Fiber& f) {
   this_host().running = &f;
   running_position = &f.position;
+  awaiting_previous_kernel = f.awaiting_previous_kernel;
   emu_switch_stack(&this_host().scheduler_sp, f.sp);
   this_host().running = nullptr;
   running_position = nullptr;
+  awaiting_previous_kernel = false;
 }
 
 // Runs warp w's threads until each has finished or waits at a __syncthreads that others have not
@@ -397,7 +405,7 @@ void start_block(Block& b, const LaunchConfig& c, uint64_t linear) {
   for (int i = 0; i < threads; ++i) {
     b.fibers[i].start({dim3(i % c.block.x, i / c.block.x % c.block.y, i / (c.block.x * c.block.y)), index,
                        c.block, c.grid},
-                      initial_stack(b.stacks.top(size_t(i))));
+                      initial_stack(b.stacks.top(size_t(i))), c.programmatic);
     ++b.warps[i / 32].live;
   }
   b.live = threads;
@@ -467,6 +475,19 @@ std::string block_name(const Block& b) {
 }  // namespace
 
 __thread const ThreadPosition* running_position = nullptr;
+__thread bool awaiting_previous_kernel = false;
+
+void grid_dependency_wait() { this_host().running->awaiting_previous_kernel = awaiting_previous_kernel = false; }
+
+void memory_before_previous_kernel(const char* what) {
+  fatal(std::string("a thread of a launch with programmatic dependent launch accessed memory (") + what +
+        ") before its griddepcontrol.wait: the kernel before it in the stream may still be writing it");
+}
+
+void fatal_launch_attribute(int id) {
+  fatal("cudaLaunchKernelEx with launch attribute " + std::to_string(id) +
+        ": only programmatic stream serialization is emulated");
+}
 
 void position_read_outside_a_kernel() { fatal("threadIdx and friends read outside a kernel"); }
 
@@ -497,6 +518,7 @@ void misaligned_cast(const char* type, const void* p, size_t alignment) {
 }
 
 void async_copy(void* shared, const void* global, size_t bytes) {
+  check_previous_kernel_awaited("cp.async");
   if (bytes != kAsyncCopyBytes) fatal("cp.async of other than 16 bytes");
   if (!current_block().copies_in_flight.insert(shared).second)
     fatal("a cp.async to shared memory that another copy still in flight writes (no cp.async.wait_group "
@@ -774,6 +796,7 @@ void for_each_box_element(const EmulatedTensorMap& map, const int* coordinates, 
 }
 
 void tma_load(void* shared, const void* map_address, const int* coordinates, int rank, uint64_t* barrier) {
+  check_previous_kernel_awaited("a TMA copy");
   Block& b = current_block();
   MBarrier& m = initialised_mbarrier(barrier, "a TMA copy (cp.async.bulk.tensor)");
   if (!m.published)
@@ -809,6 +832,7 @@ void tma_load(void* shared, const void* map_address, const int* coordinates, int
 }
 
 void tma_store(const void* shared, const void* map_address, const int* coordinates, int rank) {
+  check_previous_kernel_awaited("a TMA store");
   const auto [map, bytes] = checked_tma_box(map_address, rank, shared, "a TMA store");
   const auto* source = static_cast<const unsigned char*>(shared);
   check_async_proxy_read(dynamic_shared_window(), uint32_t(source - current_block().shared.data()), bytes,

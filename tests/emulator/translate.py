@@ -10,6 +10,8 @@ against the CPU emulator (cuda_emulator.h, force-included):
   kernels/ptx.cuh                              ->  tests/emulator/ptx.cuh (the instructions on the CPU)
   reinterpret_cast<T*>(p) in kernels/          ->  ::emu::aligned_cast<T*>("T*", p) (refuses a pointer
                                                    less aligned than T, where the GPU faults)
+  cudaLaunchKernelEx(config, kernel, args)     ->  ::emu::launch_kernel_ex(config, kernel, args)
+                                                   (kernels/host/launch.cuh's launch_kernel)
 
 Each static __shared__ variable becomes a place in the block's static shared memory (the empty
 lambda makes each declaration a distinct template instance, hence a distinct place), which the
@@ -33,6 +35,7 @@ import sys
 # arguments (one level of nesting).
 KERNEL = r"[A-Za-z_][\w:]*(?:<[^<>;{}()]*(?:<[^<>;{}()]*>[^<>;{}()]*)*>)?"
 LAUNCH = re.compile(r"(" + KERNEL + r")\s*<<<(.*?)>>>\s*\((\s*\))?", re.S)
+LAUNCH_EX = re.compile(r"\bcudaLaunchKernelEx\(")
 EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
 STATIC_SHARED = re.compile(r"^(\s*)__shared__\s+(?:__align__\(\s*(\d+)\s*\)\s+)?([\w:]+)\s+([^;]+);", re.M)
 DECLARATOR = re.compile(r"\s*(\w+)\s*((?:\[[^\]]*\])*)\s*$")
@@ -65,6 +68,7 @@ def rewrite(text, template_kernels):
         return head + ")" if empty_args else head + ", "
 
     text = LAUNCH.sub(launch, text)
+    text = LAUNCH_EX.sub("::emu::launch_kernel_ex(", text)
     text = EXTERN_SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = ::emu::dynamic_shared<{m.group(1)}>();", text)
     return STATIC_SHARED.sub(static_shared, text)
 

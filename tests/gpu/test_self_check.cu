@@ -165,6 +165,30 @@ TEST_CASE("the model on the reference paths (the FP8 head kept) gives the fast p
   }
 }
 
+// --launch-overlap pdl (run_training sets it for the whole process): every kernel of kernels/ is
+// launched with programmatic dependent launch and waits for the kernel before it as its first
+// statement, so a step's results are stream order's bit for bit. On a GPU a kernel that read its
+// predecessor's output before the wait could differ; the emulator stops a thread that touches
+// memory before its wait or exits without one (test_checks), in every kernel these run.
+TEST_CASE("--launch-overlap pdl: every fast path passes its self-check; the loss and gradients are bitwise stream order's") {
+  KernelPaths fast;
+  for (const FastPath& p : fast_paths()) fast.*p.member = true;  // the opt-in ones too
+  const auto [ordered_loss, ordered_grads] = gradients_on(fast);
+  struct Overlap {
+    Overlap() { programmatic_dependent_launch = true; }
+    ~Overlap() { programmatic_dependent_launch = false; }
+  } overlap;
+  Hyperparameters h = with_every_fast_path();
+  h.launch_overlap = "pdl";
+  const SelfCheckOutcome outcome = self_check_with(h, Fault::none);
+  std::printf("  %s\n", outcome.lines.back().c_str());
+  CHECK(outcome.failed_paths.empty());
+  const auto [overlapped_loss, overlapped_grads] = gradients_on(fast);
+  std::printf("  summed loss: stream order %.9g, overlapped %.9g\n", ordered_loss, overlapped_loss);
+  CHECK(overlapped_loss == ordered_loss);
+  CHECK(overlapped_grads == ordered_grads);
+}
+
 TEST_CASE("activations without u (--mlp-fc fused) refuse the unfused MLP fc until u is allocated") {
   const int T = 256;
   DeviceMemory memory;
