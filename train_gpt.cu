@@ -2530,13 +2530,34 @@ inline int self_check_alone(Hyperparameters h) {
   return 0;
 }
 
+// The stream of the step, validation and DiLoCo's syncs: the legacy default stream (null), or
+// under --launch-overlap pdl a created one, since whether programmatic dependent launch takes
+// effect on the legacy stream is not documented (gpu_device measures it). Created blocking, so
+// that the legacy stream's work (the synchronous copies of checkpoints and set-up) stays ordered
+// with it as with the legacy stream itself.
+class StepStream {
+ public:
+  explicit StepStream(bool created) {
+    if (created) CUDA_CHECK(cudaStreamCreate(&stream_));
+  }
+  ~StepStream() {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  StepStream(const StepStream&) = delete;
+  StepStream& operator=(const StepStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
   // settings: run_settings_report's lines for the log (empty in tests)
   TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings = "")
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
-        groups_(*comm_, h.diloco_groups), model_(config_, memory_),
+        groups_(*comm_, h.diloco_groups), step_stream_(h.launch_overlap == "pdl"), model_(config_, memory_),
         optimizers_(h, model_.params, group(), memory_),
         train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head, /*mlp_pre_activations=*/false),
         eval_(config_, h.val_seq_len, false, memory_, false, /*mlp_pre_activations=*/false),
@@ -2552,7 +2573,7 @@ class TrainingRun {
     if (groups_.group) {  // every group starts from the same parameters: the global copies
       diloco_ = std::make_unique<DiLoCo>(diloco_settings(h), diloco_fragments(model_.params, h.diloco_fragments),
                                          *groups_.group, *groups_.across);
-      diloco_->take_global_copies(0);
+      diloco_->take_global_copies(step_stream_.get());
       for (const DiLoCo::Buffer& b : diloco_->state_buffers()) state_.push_back({b.name, b.data, b.bytes});
     }
     beat("self-check");
@@ -2598,7 +2619,7 @@ class TrainingRun {
       const std::string at = "step " + std::to_string(step) + ": ";
       if (last && diloco_ && step > counters_.step) {  // one model at the end (a resume here has it already)
         beat(at + "final DiLoCo average");
-        for (const std::string& line : diloco_->finish(step, 0)) say(line);
+        for (const std::string& line : diloco_->finish(step, step_stream_.get())) say(line);
       }
       if (last || step == 0 || (h_.val_every > 0 && step % h_.val_every == 0)) {
         beat(at + "validation");
@@ -2653,7 +2674,7 @@ class TrainingRun {
     for (int i = 0; i < h_.warmup_steps; ++i) {
       beat("warmup step " + std::to_string(i));
       int step = std::min(i, h_.num_iterations - 1);
-      train_step(model_, train_, optimizers_, loader.next(), step, schedule_, paths_.fp8_head, 0);
+      train_step(model_, train_, optimizers_, loader.next(), step, schedule_, paths_.fp8_head, step_stream_.get());
     }
     if (initial) restore_state(*initial, "", state_, model_.params);
   }
@@ -2691,8 +2712,8 @@ class TrainingRun {
   // the final DiLoCo sync. The validation loss is the mean over every rank's share of the
   // validation tokens, each scored by its group's model.
   void validate_and_log(int step, bool groups_agree) {
-    check_rank_consistency(model_.params, groups_agree ? *comm_ : group(), checksum_, 0);
-    double val_loss = validate(model_, eval_, val_, schedule_.window_blocks(step), *comm_, 0);
+    check_rank_consistency(model_.params, groups_agree ? *comm_ : group(), checksum_, step_stream_.get());
+    double val_loss = validate(model_, eval_, val_, schedule_.window_blocks(step), *comm_, step_stream_.get());
     say(validation_line(step, h_.num_iterations, val_loss, counters_.train_ms));
     if (!std::isfinite(val_loss))
       throw std::runtime_error("validation loss is " + std::to_string(val_loss) + " at step " + std::to_string(step) +
@@ -2731,8 +2752,9 @@ class TrainingRun {
     const bool profiled = step + 1 == h_.profile_step;
     if (profiled) profiler_range_edge(/*start=*/true);
     auto start = std::chrono::steady_clock::now();
-    double loss_sum = train_step(model_, train_, optimizers_, batch, step, schedule_, paths_.fp8_head, 0);
-    const std::string sync_line = diloco_ ? diloco_->after_step(step + 1, 0) : "";
+    double loss_sum =
+        train_step(model_, train_, optimizers_, batch, step, schedule_, paths_.fp8_head, step_stream_.get());
+    const std::string sync_line = diloco_ ? diloco_->after_step(step + 1, step_stream_.get()) : "";
     if (profiled) profiler_range_edge(/*start=*/false);
     double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (timeline) write_timeline(*timeline, step + 1);
@@ -2743,7 +2765,8 @@ class TrainingRun {
       throw std::runtime_error("training loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1) +
                                "; last good checkpoint: " + last_checkpoint_);
     if (unconfirmed_step_ == step) last_checkpoint_ = unconfirmed_checkpoint_;
-    if (step == counters_.step) check_rank_consistency(model_.params, group(), checksum_, 0);  // after the first step
+    if (step == counters_.step)  // after the first step
+      check_rank_consistency(model_.params, group(), checksum_, step_stream_.get());
     std::string line = train_step_line(step + 1, h_.num_iterations, counters_.train_ms);
     say(line, /*console=*/false);
     if (!sync_line.empty()) say(sync_line);
@@ -2760,6 +2783,7 @@ class TrainingRun {
   std::unique_ptr<DeviceCommunicator> comm_;
   ReplicaGroups groups_;  // DiLoCo's communicators (none with one group)
   DeviceCommunicator& group() const { return groups_.group ? *groups_.group : *comm_; }
+  StepStream step_stream_;
   DeviceMemory memory_;
   GPT model_;
   Optimizers optimizers_;

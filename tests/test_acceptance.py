@@ -29,8 +29,9 @@ ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(ROOT, "tools", "acceptance.sh")
 
 # The trainer and the record's code for the anchor and profile phases: step lines of STEP_MS each
-# into the log folder (the trainer's --log-dir, the record's too); profiled (CUDA_INJECTION64_PATH
-# and --profile-step), kernel_profile's file: the step's range and three kernels.
+# into the log folder (the trainer's --log-dir, the record's too) and on the console with a loss
+# that the last --seed given shifts; profiled (CUDA_INJECTION64_PATH and --profile-step),
+# kernel_profile's file: the step's range and three kernels.
 PROGRAM = """\
     import os, sys
     args = sys.argv[1:]
@@ -42,8 +43,11 @@ PROGRAM = """\
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "run-id.txt"), "w") as log:
         log.write("step:0/%d val_loss:10.8 train_time:0ms step_avg:0.00ms\\n" % N)  # no step line
+        seeds = [args[i + 1] for i, a in enumerate(args) if a == "--seed"]
         for step in range(1, N + 1):
             log.write("step:%d/%d train_time:%dms step_avg:%.2fms\\n" % (step, N, step * step_ms, step_ms))
+            print("step:%d/%d train_time:%dms step_avg:%.2fms loss:%.4f" %
+                  (step, N, step * step_ms, step_ms, 10.0 / step + (seeds[-1:] == ["2"])))
     if os.environ.get("CUDA_INJECTION64_PATH") and "--profile-step" in args:
         ns = step_ms * 1000000
         with open(os.environ["KERNEL_PROFILE_OUT"], "w") as out:
@@ -468,6 +472,8 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("| M = 8, ours --attention flash-split | 730.0 | 785.0 | 0.930 |", report)
         self.assertIn("| M = 1, ours --muon per-matrix --seed 2 | 100.0 | 120.0 | 0.833 |", report)
         self.assertRegex(report, r"\| ours --attention flash-split, M = 8 \| 20 \| \d+ \| 730.0 \|")
+        self.assertIn("- M = 8, ours --attention flash-split: the same at all 20 steps", report)
+        self.assertIn("- M = 1, ours --muon per-matrix --seed 2: differ from step 1: 10.0000 against 11.0000", report)
         self.assertTrue(os.path.isdir(os.path.join(os.path.splitext(self.report)[0], "anchor",
                                                    "ours_M8___attention_flash_split")))
 

@@ -15,7 +15,8 @@
 #               the ratio (tools/record_pytorch.py; the corpus and the record's file staged by
 #               tools/corpus_run.sh stage); ANCHOR_VARIANTS="flags;flags..." adds runs of the
 #               trainer with those flags after its own, each in the table (e.g. a kernel's previous
-#               version behind a flag, measured in the same call); ANCHOR_RUNS="M:N ..." other runs
+#               version behind a flag, measured in the same call), and whether each printed the trainer's
+#               own losses (the same seed: a variant that changes no arithmetic must); ANCHOR_RUNS="M:N ..." other runs
 #               than "8:20 1:60" (each run costs about 45 s of the trainer, 40-150 s of the record's
 #               code: "8:20" alone fits five variants into one device call)
 #               A baseline staged by tools/stage_build.sh (SPEEDRUN_BASELINE: an earlier commit's
@@ -394,12 +395,24 @@ anchor_run() {
   echo "${times##* }"
 }
 
+# loss_agreement <console> <console>: whether two runs of the trainer printed the same loss at every
+# step (seeded alike, a variant that changes no arithmetic, e.g. --launch-overlap pdl or
+# --attention flash-ws, must), or the first step where they differ.
+loss_agreement() {
+  awk '/^step:[0-9]+\/[0-9]+ .* loss:/ {
+         split($1, s, "[:/]"); for (i = 1; i <= NF; ++i) if ($i ~ /^loss:/) v = substr($i, 6)
+         if (FILENAME == ARGV[1]) { a[s[2]] = v; next }
+         if (s[2] in a) { ++n; if (a[s[2]] != v && d == "") d = "step " s[2] ": " a[s[2]] " against " v }
+       }
+       END { print d != "" ? "differ from " d : (n ? "the same at all " n " steps" : "no step lines to compare") }' "$1" "$2"
+}
+
 phase_anchor() {
   need_gpu || return 77
   build_targets train_gpt || return 1
   need_corpus || return 1
   record=$(anchor_record) || return 1
-  local run M N who start mean means failed=0 rows=() variant variants=() flags label against=()
+  local run M N who start mean means failed=0 rows=() variant variants=() flags label against=() agreements=() dir
   IFS=';' read -ra variants <<<"${ANCHOR_VARIANTS:-}"
   say "" "The trainer and record #25's own code (\`$record\`, run by tools/record_pytorch.py: M batches of its" \
     "own loader per step, each \`(loss / M).backward()\`, its step lines synchronised as the trainer's are, no" \
@@ -424,9 +437,10 @@ phase_anchor() {
       read -ra flags <<<"$variant"
       ((${#flags[@]})) || continue
       label="ours ${flags[*]}" start=$SECONDS
-      mean=$(anchor_run ours "$M" "$N" "$logs/anchor/ours_M${M}_$(echo "${flags[*]}" | tr -c 'A-Za-z0-9\n' _)" \
-        "${flags[@]}") || failed=1
+      dir=$logs/anchor/ours_M${M}_$(echo "${flags[*]}" | tr -c 'A-Za-z0-9\n' _)
+      mean=$(anchor_run ours "$M" "$N" "$dir" "${flags[@]}") || failed=1
       say "| $label, M = $M | $N | $((SECONDS - start)) | $mean |"
+      agreements+=("- M = $M, $label: $(loss_agreement "$logs/anchor/ours_M$M/console.txt" "$dir/console.txt")")
       if [[ $mean != FAILED* && -n ${means[1]} ]]; then
         rows+=("| M = $M, $label | $mean | ${means[1]} | $(awk -v a="$mean" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
       fi
@@ -445,6 +459,8 @@ phase_anchor() {
     head -1 | cut -d, -f2 | sed 's/^ *//'), $(date +%F) (mean step," \
     "warm-up excluded; below 1: the trainer is faster):" "" "| M | ours ms | record code ms | ours / record |" \
     "|---|---|---|---|" "${rows[@]}"
+  ((${#agreements[@]})) && say "" "Each variant's printed losses against the trainer's own run (the same seed):" "" \
+    "${agreements[@]}"
   ((${#against[@]})) && say "" "The trainer before and after: beside the baseline $(baseline_revision) (below 1: faster now):" "" \
     "| M | ours ms | baseline ms | ours / baseline |" "|---|---|---|---|" "${against[@]}"
   return "$failed"

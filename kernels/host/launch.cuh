@@ -41,5 +41,8 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   overlap.val.programmaticStreamSerializationAllowed = 1;
   // gridDim, blockDim, dynamicSmemBytes, stream, attrs, numAttrs
   cudaLaunchConfig_t config{grid, block, shared_bytes, stream, &overlap, programmatic_dependent_launch ? 1u : 0u};
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  const cudaError_t error = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  // Reported here, so not again to the next cudaGetLastError (which <<<>>>'s check used to clear).
+  if (error != cudaSuccess) cudaGetLastError();
+  return error;
 }

@@ -486,6 +486,12 @@ TEST_CASE("programmatic dependent launch: a load before griddepcontrol.wait, or 
     CHECK(!ran.aborted && ran.exit_code == 0 && ran.errors.empty());
 }
 
+TEST_CASE("launch_kernel returns a refused launch's error once: the next cudaGetLastError is clean") {
+  Buffers b;
+  CHECK(launch_kernel(never_waits_kernel, 1, 2048, 0, nullptr, b.out) == cudaErrorInvalidConfiguration);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
 TEST_CASE("a static __shared__ variable read before it is written holds poison in every block") {
   Buffers b;
   uint32_t* out = b.at<uint32_t>(0);

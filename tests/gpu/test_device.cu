@@ -1,6 +1,9 @@
 // The GPU toolchain end to end: device present and Hopper, a kernel runs and writes every element,
-// cuBLASLt and NCCL load. Skips (exit 77) when no GPU is present.
+// cuBLASLt and NCCL load, programmatic dependent launch takes effect (and on which streams). Skips
+// (exit 77) when no GPU is present.
 #include "gpu/gpu_test.h"
+#include "kernels/host/launch.cuh"
+#include "kernels/ptx.cuh"
 
 __global__ void fill_index_squared(float* out, int n) {  // out: [n]
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -33,6 +36,71 @@ TEST_CASE("cuBLASLt and NCCL load") {
   NCCL_CHECK(ncclGetVersion(&nccl_version));
   std::printf("  cuBLASLt %zu, NCCL %d\n", cublasLtGetVersion(), nccl_version);
   CHECK(nccl_version >= 22800);
+}
+
+__device__ inline unsigned long long global_time_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// One block: lets the next kernel launch (as every kernel of kernels/ does after its wait), holds
+// its SM for `hold_ns`, then notes when it ended: stamps[0].
+__global__ void hold_then_stamp(unsigned long long* stamps, unsigned long long hold_ns) {
+  ptx::griddepcontrol_launch_dependents();
+  const unsigned long long start = global_time_ns();
+  while (global_time_ns() - start < hold_ns) {
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) stamps[0] = global_time_ns();
+}
+
+// Notes when it started (stamps[1], before its wait: a time, not memory the first kernel writes)
+// and when its wait returned (stamps[2]), and reads the first kernel's stamp after the wait
+// (stamps[3]: what the wait made visible).
+__global__ void stamp_around_wait(unsigned long long* stamps) {
+  const unsigned long long started = global_time_ns();
+  ptx::griddepcontrol_wait();
+  stamps[1] = started;
+  stamps[2] = global_time_ns();
+  stamps[3] = *reinterpret_cast<volatile unsigned long long*>(stamps);
+}
+
+// kernels/host/launch.cuh's premise, on this GPU and driver: with the attribute, the second of two
+// kernels starts while the first still runs and its wait returns only after the first ended, its
+// writes visible; without it, the second starts after the first. The trainer issues its step on
+// the legacy default stream (stream 0): whether PDL takes effect there is printed (the measured
+// answer to "does --launch-overlap pdl do anything in the trainer"), checked on a created stream.
+TEST_CASE("programmatic dependent launch overlaps the next kernel's start, and its wait still orders") {
+  unsigned long long* stamps = nullptr;
+  CUDA_CHECK(cudaMalloc(&stamps, 4 * sizeof(unsigned long long)));
+  cudaStream_t created = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+  constexpr unsigned long long kHoldNs = 200000;  // 200 us: far beyond a launch's latency
+  auto run = [&](cudaStream_t stream, bool programmatic) {
+    CUDA_CHECK(cudaMemsetAsync(stamps, 0, 4 * sizeof(unsigned long long), stream));
+    CUDA_CHECK(launch_kernel(hold_then_stamp, 1, 32, 0, stream, stamps, kHoldNs));  // after a memset: a plain order
+    programmatic_dependent_launch = programmatic;
+    CUDA_CHECK(launch_kernel(stamp_around_wait, 1, 1, 0, stream, stamps));
+    programmatic_dependent_launch = false;
+    unsigned long long h[4];
+    CUDA_CHECK(cudaMemcpyAsync(h, stamps, sizeof h, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    const long long started_before_end = (long long)(h[0] - h[1]);  // > 0: the second started first
+    std::printf("  %-22s %-8s second kernel started %8.1f us before the first ended; its wait returned %6.1f us after\n",
+                stream ? "created stream" : "legacy default stream", programmatic ? "PDL" : "no PDL",
+                started_before_end / 1e3, (long long)(h[2] - h[0]) / 1e3);
+    CHECK(h[2] >= h[0] && h[3] == h[0]);  // the wait orders, and the first kernel's write is visible
+    return started_before_end > 0;
+  };
+  CHECK(!run(created, false));
+  CHECK(run(created, true));
+  CHECK(!run(nullptr, false));
+  const bool legacy_overlaps = run(nullptr, true);
+  std::printf("  PDL on the legacy default stream (the trainer's): %s\n",
+              legacy_overlaps ? "takes effect" : "NO EFFECT: --launch-overlap pdl needs the step on a created stream");
+  CUDA_CHECK(cudaStreamDestroy(created));
+  CUDA_CHECK(cudaFree(stamps));
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -54,9 +54,9 @@ SelfCheckOutcome self_check_with(const Hyperparameters& h, Fault fault) {
   return self_check_paths(h, small_shape(), 511, nullptr, nullptr);
 }
 
-// One micro-sequence's forward and backward on `paths` (the FP8 head on): the summed loss and
-// every parameter's gradient. The activations hold u only where the paths use it, as a run's.
-std::pair<double, std::vector<std::vector<double>>> gradients_on(const KernelPaths& paths) {
+// One micro-sequence's forward and backward on `paths` (the FP8 head on), in `stream`: the summed
+// loss and every parameter's gradient. The activations hold u only where the paths use it, as a run's.
+std::pair<double, std::vector<std::vector<double>>> gradients_on(const KernelPaths& paths, cudaStream_t stream = nullptr) {
   const int T = 256;
   DeviceMemory memory;
   GPT model(gpu_config(), memory);
@@ -66,10 +66,11 @@ std::pair<double, std::vector<std::vector<double>>> gradients_on(const KernelPat
   const std::vector<uint16_t> tokens = synthetic_tokens(T + 1, 1024, 1023, 1.0 / 90, 62);
   HostBatch host(tokens.data(), 1, T, 0);
   model.set_paths(paths);
-  accumulate_gradients(model, acts, host.batch, /*window_blocks=*/2, /*fp8_head=*/true, 0);
+  accumulate_gradients(model, acts, host.batch, /*window_blocks=*/2, /*fp8_head=*/true, stream);
+  const double loss = take_loss_total(acts, stream);
   std::vector<std::vector<double>> grads;
   for (const Param& p : model.params.list) grads.push_back(download_grad(model.params, p));
-  return {take_loss_total(acts, 0), grads};
+  return {loss, grads};
 }
 
 }  // namespace
@@ -173,17 +174,22 @@ TEST_CASE("the model on the reference paths (the FP8 head kept) gives the fast p
 TEST_CASE("--launch-overlap pdl: every fast path passes its self-check; the loss and gradients are bitwise stream order's") {
   KernelPaths fast;
   for (const FastPath& p : fast_paths()) fast.*p.member = true;  // the opt-in ones too
-  const auto [ordered_loss, ordered_grads] = gradients_on(fast);
-  struct Overlap {
-    Overlap() { programmatic_dependent_launch = true; }
-    ~Overlap() { programmatic_dependent_launch = false; }
+  struct Overlap {  // the trainer's setting under the flag: PDL, and the step on a created stream
+    Overlap() { CUDA_CHECK(cudaStreamCreate(&stream)); }
+    ~Overlap() {
+      programmatic_dependent_launch = false;
+      cudaStreamDestroy(stream);
+    }
+    cudaStream_t stream = nullptr;
   } overlap;
+  const auto [ordered_loss, ordered_grads] = gradients_on(fast, overlap.stream);
+  programmatic_dependent_launch = true;
   Hyperparameters h = with_every_fast_path();
   h.launch_overlap = "pdl";
   const SelfCheckOutcome outcome = self_check_with(h, Fault::none);
   std::printf("  %s\n", outcome.lines.back().c_str());
   CHECK(outcome.failed_paths.empty());
-  const auto [overlapped_loss, overlapped_grads] = gradients_on(fast);
+  const auto [overlapped_loss, overlapped_grads] = gradients_on(fast, overlap.stream);
   std::printf("  summed loss: stream order %.9g, overlapped %.9g\n", ordered_loss, overlapped_loss);
   CHECK(overlapped_loss == ordered_loss);
   CHECK(overlapped_grads == ordered_grads);
