@@ -5,7 +5,8 @@
 // bench_kernels [repeats] [section...], from the repository root (attention reads the documents of
 // data/sample/, as do the step's other kernels); sections: matmul, fp8, muon, rekls, memory, step,
 // attention (none named: all, in this order; the matmul section's cuDNN rows come after all).
-// Each row is printed as it is measured, so that a run stopped early keeps its rows.
+// Each row is printed as it is measured, so that a run stopped early keeps its rows. The step
+// section ends with the cost of a kernel boundary without and with programmatic dependent launch.
 #include "data/dataloader.h"
 #include "kernels/activations.cuh"
 #include "kernels/attention.cuh"
@@ -652,6 +653,34 @@ void bench_step_rest(const Peaks& peaks) {
     cudaFree(b);
 }
 
+// Programmatic dependent launch (--launch-overlap pdl): a chain of 200 add_into kernels of 8,192 x
+// 768 (about 10 us each, so that the GPU, not the launching CPU, sets the pace) on the legacy
+// default stream and on a created one, without and with PDL. A kernel boundary's cost is the
+// difference per kernel; the trainer's step has about 2,500-3,300 boundaries that end in a kernel
+// of ours (docs/PERF.md, 2026-11-29).
+void bench_launch_overlap() {
+  constexpr int kChain = 200;
+  constexpr size_t n = size_t(8192) * D;
+  bf16 *x = random_bf16(n, 1.0f, 26), *out = random_bf16(n, 1.0f, 27);
+  cudaStream_t created = nullptr;
+  CUDA_CHECK(cudaStreamCreate(&created));  // blocking: the legacy stream's timing events wait for it
+  for (cudaStream_t stream : {cudaStream_t(nullptr), created})
+    for (bool pdl : {false, true}) {
+      programmatic_dependent_launch = pdl;
+      const float ms = median_ms([&] {
+        for (int i = 0; i < kChain; ++i) add_into(x, out, n, stream);
+      });
+      programmatic_dependent_launch = false;
+      char name[64];
+      std::snprintf(name, sizeof name, "200 x add_into [8192, 768], %s, %s", stream ? "created" : "legacy",
+                    pdl ? "PDL" : "no PDL");
+      std::printf("| %-38s | %8.3f | %6.2f us/kernel |        |\n", name, ms, 1000 * ms / kChain);
+    }
+  CUDA_CHECK(cudaStreamDestroy(created));
+  cudaFree(x);
+  cudaFree(out);
+}
+
 // Attention on the documents of real text (the first T tokens of the bundled sample shard), for
 // several windows. FLOPs count the allowed (query, key) pairs only: 4 * 128 per pair and head
 // forward (QK^T, PV), 2.5 times that backward (the usual convention, recomputation not counted).
@@ -754,7 +783,10 @@ int main(int argc, char** argv) {
     if (wanted("muon")) bench_muon(matmul, peaks);
     if (wanted("rekls")) bench_rekls(matmul, peaks);
     if (wanted("memory")) bench_memory_bound(peaks);
-    if (wanted("step")) bench_step_rest(peaks);
+    if (wanted("step")) {
+      bench_step_rest(peaks);
+      bench_launch_overlap();
+    }
     if (wanted("attention")) bench_attention(peaks);
     // Last: cuDNN's run-time compiled kernels have never run on our machines, and a fault of
     // theirs would end every row after them.
