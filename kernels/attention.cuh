@@ -155,9 +155,14 @@ __global__ void attention_forward_kernel(const bf16* q, const bf16* k, const bf1
 
 // delta[h, t] = dot(dy[t, h], y[t, h]): the softmax backward's row term. A lane reads its four
 // elements of each as one 8-byte load (y and dy 8-byte aligned): four 2-byte loads each made the
-// pass load-unit bound, as QK norm + RoPE's were (docs/PERF.md, 2026-11-27).
-__global__ void attention_delta_kernel(const bf16* y, const bf16* dy, float* delta, int T, int H) {
+// pass load-unit bound, as QK norm + RoPE's were (docs/PERF.md, 2026-11-27). Also sets
+// zeroed[0, zeroed_count) to 0 on the way (the fused flash backward's counters, which a memset
+// between the two kernels zeroed before: one operation less, and no break in a chain of
+// programmatic dependent launches).
+__global__ void attention_delta_kernel(const bf16* y, const bf16* dy, float* delta, int T, int H, int* zeroed,
+                                       int zeroed_count) {
   await_previous_kernel();
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < zeroed_count; i += gridDim.x * blockDim.x) zeroed[i] = 0;
   int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= T * H) return;
   int t = warp / H, h = warp % H;
@@ -319,7 +324,8 @@ inline void attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
       throw std::invalid_argument(std::string("attention backward: ") + name +
                                   " must start 8-byte aligned (attention_delta_kernel reads 4 elements at a time)");
   float* delta = scratch;  // [H, T]
-  CUDA_CHECK(launch_kernel(attention_delta_kernel, attention_grid(a, 8), 256, 0, stream, y, dy, delta, a.T, a.H));
+  CUDA_CHECK(launch_kernel(attention_delta_kernel, attention_grid(a, 8), 256, 0, stream, y, dy, delta, a.T, a.H,
+                           nullptr, 0));
   CUDA_CHECK(launch_kernel(attention_backward_dq_kernel, attention_grid(a, 8), 256, 0, stream, q, k, v, dy, lse, delta,
                            dq, a, mask.device()));
   CUDA_CHECK(launch_kernel(attention_backward_dkv_kernel, attention_grid(a, 8), 256, 0, stream, q, k, v, dy, lse, delta,

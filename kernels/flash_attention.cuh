@@ -1142,9 +1142,18 @@ inline void flash_attention_forward_ws(const bf16* q, const bf16* k, const bf16*
                            stream, q_map, k_map, v_map, y, lse, a, mask.device()));
 }
 
+// The fused backward's counters in the scratch, after delta and the dq sums: the ticket, then one
+// turn counter per (head, 64 queries).
+inline flash::DqPartialSums fused_backward_sums(float* scratch, const AttentionTensors& a) {
+  const size_t statistics = size_t(a.H) * a.T;
+  int* counters = reinterpret_cast<int*>(scratch + statistics * (1 + kAttentionHeadDim));
+  return {scratch + statistics, counters, counters + 1};
+}
+inline int fused_backward_counter_count(const AttentionTensors& a) { return 1 + a.H * a.T / flash::kDsRows; }
+
 // The checks of every flash backward (the inputs, and the outputs it names) and their first kernel:
 // delta = rowsum(y dy) into the scratch's first [H, T] floats (attention_backward_scratch_floats(T, H)
-// in all).
+// in all), the fused backward's counters zeroed on the way.
 inline void flash_attention_backward_start(const bf16* q, const bf16* k, const bf16* v, const bf16* y, const bf16* dy,
                                            const float* lse, float* scratch,
                                            std::initializer_list<FlashAttentionOperand> outputs,
@@ -1155,18 +1164,16 @@ inline void flash_attention_backward_start(const bf16* q, const bf16* k, const b
                                {"lse", lse, kFlashCopiedAlignment}, {"scratch", scratch, kFlashCopiedAlignment},
                                {"y", y, kFlashDeltaAlignment}});
   check_flash_operands(outputs);
-  CUDA_CHECK(launch_kernel(attention_delta_kernel, attention_grid(a, 8), 256, 0, stream, y, dy, scratch, a.T, a.H));
+  CUDA_CHECK(launch_kernel(attention_delta_kernel, attention_grid(a, 8), 256, 0, stream, y, dy, scratch, a.T, a.H,
+                           fused_backward_sums(scratch, a).ticket, fused_backward_counter_count(a)));
 }
 
-// The fused backward's kernel (after flash_attention_backward_start), its counters zeroed first.
+// The fused backward's kernel, after flash_attention_backward_start (which zeroed its counters).
 template <bool into_dqkv>
 void launch_fused_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* dy, const float* lse,
                            float* scratch, bf16* dq, bf16* dk, bf16* dv, const flash::QkvGradient& grad,
                            const AttentionTensors& a, const AttentionMask& mask, cudaStream_t stream) {
-  const size_t statistics = size_t(a.H) * a.T;
-  int* counters = reinterpret_cast<int*>(scratch + statistics * (1 + kAttentionHeadDim));
-  const flash::DqPartialSums sums{scratch + statistics, counters, counters + 1};
-  CUDA_CHECK(cudaMemsetAsync(counters, 0, (1 + statistics / flash::kDsRows) * sizeof(int), stream));
+  const flash::DqPartialSums sums = fused_backward_sums(scratch, a);
   const size_t smem = flash::kFusedBackwardSharedBytes;
   flash::set_shared_memory(flash::backward_dkv_kernel<true, into_dqkv>, smem);
   // into dq persistent, a CTA an SM (its shared memory allows one); into dqkv a CTA an item
