@@ -2483,16 +2483,38 @@ struct SelfCheckOutcome {
   }
 };
 
-// Runs the self-check on this rank's GPU and votes: a path fails when it fails on any rank (comm
-// null: this process alone), and is replaced by its reference.
+// The stream of the step, validation, DiLoCo's syncs and the self-check: the legacy default stream
+// (null), or under --launch-overlap pdl a created one, since whether programmatic dependent launch
+// takes effect on the legacy stream is not documented (gpu_device measures it). Created blocking,
+// so that the legacy stream's work (the synchronous copies of checkpoints and set-up) stays ordered
+// with it as with the legacy stream itself.
+class StepStream {
+ public:
+  explicit StepStream(bool created) {
+    if (created) CUDA_CHECK(cudaStreamCreate(&stream_));
+  }
+  ~StepStream() {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  StepStream(const StepStream&) = delete;
+  StepStream& operator=(const StepStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// Runs the self-check on this rank's GPU, in `stream` (the run's StepStream), and votes: a path
+// fails when it fails on any rank (comm null: this process alone), and is replaced by its reference.
 inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfCheckShape& shape, uint16_t bos,
-                                         const ValidationPlan* val, DeviceCommunicator* comm) {
+                                         const ValidationPlan* val, DeviceCommunicator* comm,
+                                         cudaStream_t stream = nullptr) {
   SelfCheckOutcome outcome{paths_of(h), {}, false, ""};
   if (h.self_check == "off") return outcome;
   const auto start = std::chrono::steady_clock::now();
   const std::vector<uint16_t> layout = self_check_layout(val, shape.attention_tokens, bos);
   Matmul matmul;
-  const std::vector<SelfCheckResult> results = run_self_check(shape, outcome.paths, layout.data(), bos, matmul, 0);
+  const std::vector<SelfCheckResult> results = run_self_check(shape, outcome.paths, layout.data(), bos, matmul, stream);
   CUDA_CHECK(cudaDeviceSynchronize());
   int failed_checks = 0;
   for (const SelfCheckResult& r : results) {
@@ -2524,32 +2546,12 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
 inline int self_check_alone(Hyperparameters h) {
   h.self_check = "strict";
   const GPTConfig c;
-  const SelfCheckOutcome outcome = self_check_paths(h, self_check_shape(c), c.bos_token, nullptr, nullptr);
+  const StepStream stream(h.launch_overlap == "pdl");
+  const SelfCheckOutcome outcome = self_check_paths(h, self_check_shape(c), c.bos_token, nullptr, nullptr, stream.get());
   std::printf("%s", outcome.report().c_str());
   outcome.stop_if_strict(h);
   return 0;
 }
-
-// The stream of the step, validation and DiLoCo's syncs: the legacy default stream (null), or
-// under --launch-overlap pdl a created one, since whether programmatic dependent launch takes
-// effect on the legacy stream is not documented (gpu_device measures it). Created blocking, so
-// that the legacy stream's work (the synchronous copies of checkpoints and set-up) stays ordered
-// with it as with the legacy stream itself.
-class StepStream {
- public:
-  explicit StepStream(bool created) {
-    if (created) CUDA_CHECK(cudaStreamCreate(&stream_));
-  }
-  ~StepStream() {
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-  StepStream(const StepStream&) = delete;
-  StepStream& operator=(const StepStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
 
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
@@ -2578,7 +2580,7 @@ class TrainingRun {
     }
     beat("self-check");
     const SelfCheckOutcome self_check =
-        self_check_paths(h, self_check_shape(config_), config_.bos_token, &val_, comm_.get());
+        self_check_paths(h, self_check_shape(config_), config_.bos_token, &val_, comm_.get(), step_stream_.get());
     if (comm_->rank() == 0 || self_check.failed_here) std::printf("%s", self_check.report().c_str());
     for (const std::string& line : self_check.lines)
       if (comm_->rank() == 0 && line.rfind("self-check fallback:", 0) == 0)

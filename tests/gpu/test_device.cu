@@ -68,14 +68,14 @@ __global__ void stamp_around_wait(unsigned long long* stamps) {
 
 // kernels/host/launch.cuh's premise, on this GPU and driver: with the attribute, the second of two
 // kernels starts while the first still runs and its wait returns only after the first ended, its
-// writes visible; without it, the second starts after the first. The trainer issues its step on
-// the legacy default stream (stream 0): whether PDL takes effect there is printed (the measured
-// answer to "does --launch-overlap pdl do anything in the trainer"), checked on a created stream.
+// writes visible; without it, the second starts after the first. Checked on a created blocking
+// stream, the trainer's under --launch-overlap pdl (StepStream); on the legacy default stream, the
+// trainer's without it, whether PDL takes effect is printed.
 TEST_CASE("programmatic dependent launch overlaps the next kernel's start, and its wait still orders") {
   unsigned long long* stamps = nullptr;
   CUDA_CHECK(cudaMalloc(&stamps, 4 * sizeof(unsigned long long)));
   cudaStream_t created = nullptr;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreate(&created));  // blocking, as StepStream
   constexpr unsigned long long kHoldNs = 200000;  // 200 us: far beyond a launch's latency
   auto run = [&](cudaStream_t stream, bool programmatic) {
     CUDA_CHECK(cudaMemsetAsync(stamps, 0, 4 * sizeof(unsigned long long), stream));
@@ -98,7 +98,7 @@ TEST_CASE("programmatic dependent launch overlaps the next kernel's start, and i
   CHECK(!run(nullptr, false));
   const bool legacy_overlaps = run(nullptr, true);
   std::printf("  PDL on the legacy default stream (the trainer's): %s\n",
-              legacy_overlaps ? "takes effect" : "NO EFFECT: --launch-overlap pdl needs the step on a created stream");
+              legacy_overlaps ? "takes effect" : "no effect (the trainer's step takes a created stream under the flag)");
   CUDA_CHECK(cudaStreamDestroy(created));
   CUDA_CHECK(cudaFree(stamps));
 }

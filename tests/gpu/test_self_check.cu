@@ -49,9 +49,9 @@ bool same_paths(const KernelPaths& a, const KernelPaths& b) {
   return true;
 }
 
-SelfCheckOutcome self_check_with(const Hyperparameters& h, Fault fault) {
+SelfCheckOutcome self_check_with(const Hyperparameters& h, Fault fault, cudaStream_t stream = nullptr) {
   ScopedFault injected(fault);
-  return self_check_paths(h, small_shape(), 511, nullptr, nullptr);
+  return self_check_paths(h, small_shape(), 511, nullptr, nullptr, stream);
 }
 
 // One micro-sequence's forward and backward on `paths` (the FP8 head on), in `stream`: the summed
@@ -186,7 +186,7 @@ TEST_CASE("--launch-overlap pdl: every fast path passes its self-check; the loss
   programmatic_dependent_launch = true;
   Hyperparameters h = with_every_fast_path();
   h.launch_overlap = "pdl";
-  const SelfCheckOutcome outcome = self_check_with(h, Fault::none);
+  const SelfCheckOutcome outcome = self_check_with(h, Fault::none, overlap.stream);
   std::printf("  %s\n", outcome.lines.back().c_str());
   CHECK(outcome.failed_paths.empty());
   const auto [overlapped_loss, overlapped_grads] = gradients_on(fast, overlap.stream);
