@@ -14,7 +14,8 @@
 // that never waited would let its successor overlap its predecessor (the ordering is only as
 // transitive as the waits). tests/test_kernel_entry.py checks that every __global__ function in
 // kernels/ begins with the wait; the CPU emulator stops a thread of a PDL launch that accesses
-// memory through a vector cast before its wait, or exits without one (tests/emulator/test_checks.cu).
+// memory it sees (a vector cast, an atomic, a cp.async or TMA copy) before its wait, or exits
+// without one (tests/emulator/test_checks.cu).
 // cuBLASLt's, NCCL's and the copies' work on the stream is ordered as always (the attribute only
 // relaxes the order between a kernel and the kernel launched right before it in its stream).
 #pragma once
