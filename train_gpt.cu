@@ -2484,14 +2484,14 @@ struct SelfCheckOutcome {
 };
 
 // The stream of the step, validation, DiLoCo's syncs and the self-check: the legacy default stream
-// (null), or under --launch-overlap pdl a created one, since whether programmatic dependent launch
-// takes effect on the legacy stream is not documented (gpu_device measures it). Created blocking,
-// so that the legacy stream's work (the synchronous copies of checkpoints and set-up) stays ordered
-// with it as with the legacy stream itself.
+// (null), or under programmatic dependent launch (--launch-overlap pdl, which run_training sets
+// before anything else) a created one, since whether PDL takes effect on the legacy stream is not
+// documented (gpu_device measures it). Created blocking, so that the legacy stream's work (the
+// synchronous copies of checkpoints and set-up) stays ordered with it as with the legacy stream itself.
 class StepStream {
  public:
-  explicit StepStream(bool created) {
-    if (created) CUDA_CHECK(cudaStreamCreate(&stream_));
+  StepStream() {
+    if (programmatic_dependent_launch) CUDA_CHECK(cudaStreamCreate(&stream_));
   }
   ~StepStream() {
     if (stream_) cudaStreamDestroy(stream_);
@@ -2546,7 +2546,7 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
 inline int self_check_alone(Hyperparameters h) {
   h.self_check = "strict";
   const GPTConfig c;
-  const StepStream stream(h.launch_overlap == "pdl");
+  const StepStream stream;
   const SelfCheckOutcome outcome = self_check_paths(h, self_check_shape(c), c.bos_token, nullptr, nullptr, stream.get());
   std::printf("%s", outcome.report().c_str());
   outcome.stop_if_strict(h);
@@ -2559,7 +2559,7 @@ class TrainingRun {
   // settings: run_settings_report's lines for the log (empty in tests)
   TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings = "")
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
-        groups_(*comm_, h.diloco_groups), step_stream_(h.launch_overlap == "pdl"), model_(config_, memory_),
+        groups_(*comm_, h.diloco_groups), model_(config_, memory_),
         optimizers_(h, model_.params, group(), memory_),
         train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head, /*mlp_pre_activations=*/false),
         eval_(config_, h.val_seq_len, false, memory_, false, /*mlp_pre_activations=*/false),
