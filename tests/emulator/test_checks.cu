@@ -14,7 +14,8 @@
 //   bytes that are no tensor map and a hand-over never taken (arrivals left on a named barrier at
 //   the exit) each stop the program (a deadlock where the GPU would hang), as does a wgmma that
 //   reads a TMA copy its thread never waited for, and
-//   the host refuses a map the driver refuses, naming the tensor;
+//   the host refuses a map the driver refuses, naming the tensor (these kernels live in
+//   tests/gpu/tma_probes.cuh: gpu_device runs their bug-free forms on a GPU, exact answers checked);
 // - shared memory written with plain stores and read by a wgmma or a TMA store with no
 //   fence.proxy.async after the writes stops the program (checked in each launch's first block);
 // - TMA stores (an epilogue's, as our GEMM issues them): staged boxes land in place; a store issued
@@ -36,6 +37,7 @@
 //   exits without one, stops the program; launched plainly the same kernels run;
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
+#include "gpu/tma_probes.cuh"
 #include "kernels/check_arrays.cuh"
 #include "kernels/host/cuda_check.cuh"
 #include "kernels/device_utils.cuh"
@@ -54,6 +56,8 @@
 #include <vector>
 
 namespace {
+
+using namespace tma_probes;
 
 __global__ void load8_kernel(const bf16* in, float* out) {
   float v[8];
@@ -190,147 +194,6 @@ __global__ void static_and_dynamic_kernel(float* out) {
   big[0] = 1.0f;
   dynamic[0] = big[0];
   out[0] = dynamic[0];
-}
-
-// A warp-specialised ring as the flash forward runs one: warpgroup 0's first thread copies box t
-// (rows 64 t .. 64 t + 63 of the matrix, its columns 64..127) by TMA into stage t % 2; warpgroups 1
-// and 2, taking turns through two named barriers, each write their 32 rows of it unswizzled to
-// `out` ([tiles x 64, 64]), log their turn, and release the stage (one arrival a warp). `mistake`
-// injects one bug of the kind the pattern invites.
-enum class RingMistake {
-  none,
-  missed_release,
-  wrong_parity,
-  no_wait,
-  no_decrease,
-  short_announce,
-  unpublished_init,
-  turn_left,
-  small_decrease
-};
-constexpr int kRingStages = 2, kRingTiles = 6, kRingRows = 64, kRingCols = 64;
-constexpr uint32_t kRingBoxBytes = kRingRows * kRingCols * sizeof(bf16);
-constexpr size_t kRingSharedBytes = kRingStages * kRingBoxBytes + wgmma_tiles::kSwizzleAtomBytes;
-
-__global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CUtensorMap map, bf16* out, int* turns,
-                                                      RingMistake mistake) {
-  extern __shared__ __align__(128) bf16 shared_tiles[];
-  bf16* stages = wgmma_tiles::align_to_swizzle_atom(shared_tiles);
-  __shared__ __align__(8) uint64_t full[kRingStages], empty[kRingStages];
-  __shared__ int turn;
-  const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kRingStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], 8);  // the consumers' warps
-    }
-    if (mistake != RingMistake::unpublished_init) ptx::fence_mbarrier_init();
-    turn = 0;
-  }
-  __syncthreads();
-  if (warpgroup == 0) {
-    if (mistake == RingMistake::small_decrease)
-      ptx::setmaxnreg_dec<32>();  // 1 K registers short of the consumers' 240
-    else if (mistake != RingMistake::no_decrease)
-      ptx::setmaxnreg_dec<24>();
-    if (threadIdx.x == 0)
-      for (int t = 0; t < kRingTiles; ++t) {
-        const int s = t % kRingStages;
-        while (!ptx::mbarrier_try_wait(&empty[s], (t / kRingStages % 2) ^ 1)) {
-        }
-        ptx::mbarrier_arrive_expect_tx(&full[s], mistake == RingMistake::short_announce ? kRingBoxBytes / 2
-                                                                                        : kRingBoxBytes);
-        ptx::tma_load_2d(stages + s * kRingRows * kRingCols, &map, kRingCols, t * kRingRows, &full[s]);
-      }
-    return;
-  }
-  ptx::setmaxnreg_inc<240>();
-  const int consumer = warpgroup - 1, thread = threadIdx.x % 128;
-  if (consumer == 1) ptx::named_barrier_arrive(1, 256);  // consumer 0 goes first
-  for (int t = 0; t < kRingTiles; ++t) {
-    const int s = t % kRingStages;
-    const uint32_t parity = t / kRingStages % 2;
-    if (mistake != RingMistake::no_wait)
-      while (!ptx::mbarrier_try_wait(&full[s], mistake == RingMistake::wrong_parity ? parity ^ 1 : parity)) {
-      }
-    ptx::named_barrier_sync(1 + consumer, 256);
-    for (int i = thread; i < 32 * kRingCols; i += 128) {
-      const int row = consumer * 32 + i / kRingCols, col = i % kRingCols;
-      out[(t * kRingRows + row) * kRingCols + col] =
-          stages[s * kRingRows * kRingCols + wgmma_tiles::swizzled<kRingRows>(row, col)];
-    }
-    if (thread == 0) turns[turn++] = consumer;
-    ptx::named_barrier_arrive(2 - consumer, 256);  // the other's turn
-    __syncwarp();
-    if (threadIdx.x % 32 == 0 && !(mistake == RingMistake::missed_release && consumer == 1))
-      ptx::mbarrier_arrive(&empty[s]);
-  }
-  if (consumer == 0 && mistake != RingMistake::turn_left) ptx::named_barrier_sync(1, 256);  // the last hand-over
-}
-
-// S = B B^T over the first 16 columns of the swizzled [64 x 64] box (m64n64k16, both operands the
-// box), issued and waited for by the calling warpgroup: the thread's first accumulator element.
-__device__ float box_product(const bf16* box) {
-  const uint64_t desc = wgmma_tiles::swizzled_128b_descriptor(box, 16, wgmma_tiles::kSwizzleAtomBytes);
-  float s[8][4];
-  ptx::wgmma_fence();
-  ptx::wgmma_m64n64k16_ss</*trans_b=*/0>(s, desc, desc, /*accumulate=*/false);
-  ptx::wgmma_commit();
-  ptx::wgmma_wait<0>();
-  return s[0][0];
-}
-
-// One TMA box read by a wgmma: warpgroup 0's first thread copies the ring's first box, warpgroup
-// 1 waits for it (all of it, or all but warp `skip_warp`) and issues S = B B^T over its first 16
-// columns (m64n64k16, both operands the box).
-__global__ void __launch_bounds__(256, 1) tma_wgmma_kernel(const __grid_constant__ CUtensorMap map, float* out,
-                                                           int skip_warp) {
-  extern __shared__ __align__(128) bf16 shared_tiles[];
-  bf16* box = wgmma_tiles::align_to_swizzle_atom(shared_tiles);
-  __shared__ __align__(8) uint64_t full;
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_init(&full, 1);
-    ptx::fence_mbarrier_init();
-  }
-  __syncthreads();
-  if (threadIdx.x < 128) {
-    if (threadIdx.x == 0) {
-      ptx::mbarrier_arrive_expect_tx(&full, kRingBoxBytes);
-      ptx::tma_load_2d(box, &map, 0, 0, &full);
-    }
-    return;
-  }
-  if (int(threadIdx.x / 32) != skip_warp) wgmma_tiles::mbarrier_wait(&full, 0);
-  out[threadIdx.x - 128] = box_product(box);
-}
-
-// An epilogue's TMA stores as our GEMM issues them: one warpgroup stages tile t ([64 rows][64
-// columns] of value 1000 t + 64 r + c ... as bf16, in the 128-byte swizzle) in one shared box, and
-// its first thread stores it to columns 64 t.. of out [64, 64 tiles], the box reused tile after
-// tile. `mistake` injects one bug of the kind the pattern invites.
-enum class StoreMistake { none, no_read_wait, no_barrier, no_final_wait, no_fence };
-constexpr int kStoreRows = 64, kStoreCols = 64, kStoreTiles = 3;
-constexpr size_t kStoreSharedBytes = kStoreRows * kStoreCols * sizeof(bf16) + wgmma_tiles::kSwizzleAtomBytes;
-
-__global__ void __launch_bounds__(128, 1) tma_store_kernel(const __grid_constant__ CUtensorMap map, StoreMistake mistake) {
-  extern __shared__ __align__(128) bf16 shared_tiles[];
-  bf16* box = wgmma_tiles::align_to_swizzle_atom(shared_tiles);
-  const bool leader = threadIdx.x == 0;
-  for (int t = 0; t < kStoreTiles; ++t) {
-    if (leader && mistake != StoreMistake::no_read_wait) ptx::bulk_wait_group_read<0>();
-    ptx::named_barrier_sync(1, 128);
-    for (int i = threadIdx.x; i < kStoreRows * kStoreCols; i += 128) {
-      const int r = i / kStoreCols, c = i % kStoreCols;
-      box[wgmma_tiles::swizzled<kStoreRows>(r, c)] = __float2bfloat16(float(1000 * t + 64 * r + c) / 1024);
-    }
-    if (mistake != StoreMistake::no_fence) ptx::fence_proxy_async_shared();
-    if (mistake != StoreMistake::no_barrier) ptx::named_barrier_sync(1, 128);
-    if (leader) {
-      ptx::tma_store_2d(&map, t * kStoreCols, 0, box);
-      ptx::bulk_commit_group();
-    }
-  }
-  if (leader && mistake != StoreMistake::no_final_wait) ptx::bulk_wait_group<0>();
 }
 
 // A tile the threads write with plain stores, read by a wgmma: a warpgroup stages the store
@@ -591,33 +454,12 @@ TEST_CASE("32 KiB of static shared memory beside 20 KiB of dynamic (52 of the 48
                 16 << 10);
 }
 
-// The ring's matrix [tiles x 64, 128] of distinct finite values, on the device, and its map.
-struct Ring {
-  Ring() : matrix(kRingTiles * kRingRows * 2 * kRingCols), out(matrix.size() / 2), turns(kRingTiles * 2) {
-    matrix.upload(to_bf16(random_normal(matrix.size(), 29)));
-    map = bf16_tile_map("the ring's matrix", matrix.get(), kRingTiles * kRingRows, 2 * kRingCols, 2 * kRingCols,
-                        kRingRows, kRingCols);
-    CUDA_CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kRingSharedBytes)));
-  }
-  void run(RingMistake mistake) {
-    ring_kernel<<<1, 384, kRingSharedBytes>>>(map, out.get(), turns.get(), mistake);
-    CUDA_CHECK_LAUNCH();
-  }
-  DeviceBuffer<bf16> matrix, out;
-  DeviceBuffer<int> turns;
-  CUtensorMap map;
-};
-
 TEST_CASE("TMA ring: a producer and two consumer warpgroups copy every box exactly, in turns") {
   Ring ring;
   ring.run(RingMistake::none);
-  const std::vector<double> matrix = to_double(ring.matrix.download()), out = to_double(ring.out.download());
-  size_t wrong = 0;
-  for (int r = 0; r < kRingTiles * kRingRows; ++r)
-    for (int c = 0; c < kRingCols; ++c) wrong += out[r * kRingCols + c] != matrix[r * 2 * kRingCols + kRingCols + c];
-  CHECK(wrong == 0);
-  const std::vector<int> turns = ring.turns.download();
-  for (size_t i = 0; i < turns.size(); ++i) CHECK(turns[i] == int(i % 2));
+  bool alternated = false;
+  CHECK(ring_wrong_elements(ring, &alternated) == 0);
+  CHECK(alternated);
 }
 
 TEST_CASE("TMA ring: each injected bug stops the program, naming what went wrong") {
@@ -662,12 +504,7 @@ TEST_CASE("TMA then wgmma: a warp that issues without waiting for the copy's pha
   auto run = [](int skip_warp) {
     return in_child([&] {
       Ring ring;
-      DeviceBuffer<float> out(128);
-      CUDA_CHECK(cudaFuncSetAttribute(tma_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(kRingSharedBytes)));
-      tma_wgmma_kernel<<<1, 256, kRingSharedBytes>>>(ring.map, out.get(), skip_warp);
-      CUDA_CHECK_LAUNCH();
-      if (!all_finite(to_double(out.download()))) std::abort();
+      if (tma_wgmma_wrong_threads(ring, skip_warp) != 0) std::abort();
     });
   };
   const Outcome waited = run(-1), skipped = run(5);
@@ -681,30 +518,9 @@ TEST_CASE("TMA then wgmma: a warp that issues without waiting for the copy's pha
 // TMA stores: the staged boxes land unswizzled where the map says; the box's shared memory must not
 // change between a store's issue and the wait for it, and a thread must wait for its stores.
 TEST_CASE("TMA store: staged boxes land in place; a missing barrier, reuse before the read wait, no wait show") {
-  auto run = [](StoreMistake mistake, std::vector<double>* result) {
-    DeviceBuffer<bf16> out(size_t(kStoreRows) * kStoreCols * kStoreTiles);
-    out.poison();
-    const CUtensorMap map =
-        bf16_tile_map("out", out.get(), kStoreRows, kStoreCols * kStoreTiles, kStoreCols * kStoreTiles, kStoreRows, kStoreCols);
-    CUDA_CHECK(cudaFuncSetAttribute(tma_store_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStoreSharedBytes)));
-    tma_store_kernel<<<1, 128, kStoreSharedBytes>>>(map, mistake);
-    CUDA_CHECK_LAUNCH();
-    if (result) *result = to_double(out.download());
-  };
-  auto wrong_elements = [&](StoreMistake mistake) {
-    std::vector<double> out;
-    run(mistake, &out);
-    size_t wrong = 0;
-    for (int r = 0; r < kStoreRows; ++r)
-      for (int t = 0; t < kStoreTiles; ++t)
-        for (int c = 0; c < kStoreCols; ++c)
-          wrong += out[size_t(r) * kStoreCols * kStoreTiles + t * kStoreCols + c] !=
-                   double(__bfloat162float(__float2bfloat16(float(1000 * t + 64 * r + c) / 1024)));
-    return wrong;
-  };
-  CHECK(wrong_elements(StoreMistake::none) == 0);
+  CHECK(tma_store_wrong_elements(StoreMistake::none) == 0);
   // the leader's warp runs ahead of the others here: it stores their rows before they are staged
-  const size_t unstaged = wrong_elements(StoreMistake::no_barrier);
+  const size_t unstaged = tma_store_wrong_elements(StoreMistake::no_barrier);
   std::printf("  the store issued before the other warps staged: %zu of %d elements wrong\n", unstaged,
               kStoreRows * kStoreCols * kStoreTiles);
   CHECK(unstaged > 0);
@@ -719,7 +535,7 @@ TEST_CASE("TMA store: staged boxes land in place; a missing barrier, reuse befor
        "a TMA store's box of thread 0 reads dynamic shared byte"},
   };
   for (const Case& c : cases) {
-    const Outcome o = in_child([&] { run(c.mistake, nullptr); });
+    const Outcome o = in_child([&] { tma_store_wrong_elements(c.mistake); });
     std::printf("  %s: %s", c.what, o.errors.c_str());
     CHECK(o.aborted);
     CHECK(o.errors.find(c.refusal) != std::string::npos);

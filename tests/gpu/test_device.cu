@@ -1,7 +1,9 @@
 // The GPU toolchain end to end: device present and Hopper, a kernel runs and writes every element,
-// cuBLASLt and NCCL load, programmatic dependent launch takes effect (and on which streams). Skips
-// (exit 77) when no GPU is present.
+// cuBLASLt and NCCL load, programmatic dependent launch takes effect (and on which streams), and the
+// warp-specialised kernels' Hopper pieces (TMA, mbarriers, named barriers, setmaxnreg, TMA stores)
+// do what the CPU emulator makes them do. Skips (exit 77) when no GPU is present.
 #include "gpu/gpu_test.h"
+#include "gpu/tma_probes.cuh"
 #include "kernels/host/launch.cuh"
 #include "kernels/ptx.cuh"
 
@@ -101,6 +103,28 @@ TEST_CASE("programmatic dependent launch overlaps the next kernel's start, and i
               legacy_overlaps ? "takes effect" : "no effect (the trainer's step takes a created stream under the flag)");
   CUDA_CHECK(cudaStreamDestroy(created));
   CUDA_CHECK(cudaFree(stamps));
+}
+
+// What the emulator's tests of these pieces (tests/emulator/test_checks.cu) take for the hardware's
+// behaviour, on the hardware: where one fails here, the flash-ws forward's and our GEMM's failures
+// (test_attention, test_kernels) are the emulator's model of the instruction, not the kernels' logic.
+TEST_CASE("the emulator's model of TMA, mbarriers, named barriers and setmaxnreg holds on this GPU") {
+  using namespace tma_probes;
+  Ring ring;
+  ring.out.poison();
+  ring.run(RingMistake::none);
+  bool alternated = false;
+  const size_t ring_wrong = ring_wrong_elements(ring, &alternated);
+  std::printf("  TMA ring: %zu of %d copied elements wrong; the consumers %s\n", ring_wrong,
+              kRingTiles * kRingRows * kRingCols, alternated ? "alternated" : "did NOT alternate");
+  CHECK(ring_wrong == 0);
+  CHECK(alternated);
+  const int wgmma_wrong = tma_wgmma_wrong_threads(ring, -1);
+  std::printf("  TMA box read by wgmma: %d of 128 threads' products wrong\n", wgmma_wrong);
+  CHECK(wgmma_wrong == 0);
+  const size_t store_wrong = tma_store_wrong_elements(StoreMistake::none);
+  std::printf("  TMA stores: %zu of %d elements wrong\n", store_wrong, kStoreRows * kStoreCols * kStoreTiles);
+  CHECK(store_wrong == 0);
 }
 
 int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }

@@ -192,6 +192,46 @@ TEST_CASE("relu^2 forward and backward (relu(u) from u, and from a = relu(u)^2 i
 // sqrt(a), in place over a as it may run): 12 output tiles of 128 x 256 (more than the emulator's 8
 // SMs: CTAs walk several, their TMA stores from one staging tile each) and 5 k blocks (more than the
 // 3 stages: the ring wraps), outputs poisoned; shapes off the tiles and misaligned starts refused.
+namespace {
+
+// Our GEMM's epilogue staging alone: one consumer warpgroup's accumulators, set to small integers
+// (exact in bf16) by their fragment position, staged by the Identity epilogue (stmatrix, not
+// transposed) and read back element by element: each must land where swizzled<64>(row, col) says,
+// where the TMA stores read it. On a GPU this checks the emulator's reading of stmatrix's layout.
+__host__ __device__ float staged_test_value(int row, int col) { return float((row * 131 + col * 7) % 255 - 127); }
+
+__global__ void stage_output_tile_kernel(float* out) {
+  using namespace gemm_epilogue;
+  extern __shared__ __align__(128) bf16 shared_tiles[];
+  bf16* staging = align_to_swizzle_atom(shared_tiles);
+  float acc[kTileCols / 8][4];
+  for (int n = 0; n < kTileCols / 8; ++n)
+    for (int e = 0; e < 4; ++e) acc[n][e] = staged_test_value(warpgroup_fragment_row(e), fragment_col(n, e));
+  Identity{}.store(acc, TileOutput{staging, 0, 0, kTileCols});
+  __syncthreads();
+  for (int i = threadIdx.x; i < kOutputRows * kTileCols; i += blockDim.x)
+    out[i] = __bfloat162float(staging[swizzled<kOutputRows>(i / kTileCols, i % kTileCols)]);
+}
+
+}  // namespace
+
+TEST_CASE("gemm's epilogue staging: stmatrix's stores put every accumulator where the output tile's layout says") {
+  using namespace gemm_epilogue;
+  DeviceBuffer<float> out(size_t(kOutputRows) * kTileCols);
+  out.poison();
+  const size_t smem = size_t(kOutputRows) * kTileCols * sizeof(bf16) + kSwizzleAtomBytes;
+  CUDA_CHECK(cudaFuncSetAttribute(stage_output_tile_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  stage_output_tile_kernel<<<1, 128, smem>>>(out.get());
+  CUDA_CHECK_LAUNCH();
+  const std::vector<float> got = out.download();
+  int wrong = 0;
+  for (int r = 0; r < kOutputRows; ++r)
+    for (int c = 0; c < kTileCols; ++c)
+      if (got[r * kTileCols + c] != staged_test_value(r, c) && wrong++ < 5)
+        std::printf("staged (row %d, column %d): %g, want %g\n", r, c, got[r * kTileCols + c], staged_test_value(r, c));
+  CHECK(wrong == 0);
+}
+
 TEST_CASE("gemm with an epilogue: A B^T, relu(A B^T)^2, A B, (A B) 2 sqrt(a) (12 tiles, 5 k blocks)") {
   using namespace gemm_epilogue;
   const int M = 512, N = 768, K = 320;
