@@ -30,6 +30,18 @@ inline GPTConfig gpu_config() {
   return c;
 }
 
+// The distributed oracle's model (test_distributed, and test_diloco's end-to-end oracle): d = 128,
+// one head, a 512-token vocabulary, so that the runs of several simulated ranks a case stay small.
+constexpr int kOracleVocab = 512;
+inline GPTConfig oracle_config() {
+  GPTConfig c = gpu_config();
+  c.model_dim = 128;
+  c.num_heads = 1;
+  c.vocab_size = kOracleVocab;
+  c.bos_token = kOracleVocab - 1;
+  return c;
+}
+
 // The CPU reference's config of the record's structure at a GPU config's sizes.
 inline ModelConfig reference_config_of(const GPTConfig& g) {
   ModelConfig c = ModelConfig::record();

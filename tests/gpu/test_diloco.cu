@@ -562,7 +562,7 @@ namespace {
 
 // The end-to-end oracle's shape: the distributed oracle's (test_distributed), M = 4 micro-sequences
 // of 128 tokens, so that each of the W = 4 ranks of 2 groups trains one.
-constexpr int kT = 128, kMicro = 4, kSteps = 4, kVocab = 512;
+constexpr int kT = 128, kMicro = 4, kSteps = 4, kVocab = kOracleVocab;
 // test_distributed's bound with fp32 traffic is 0.1 for W ranks against one after 2 steps; here 4 steps
 // and a sync, whose outer Nesterov step carries each group's rounding on at 1 + mu. Measured on the
 // emulator (2026-11-27): 6.7e-2 with the old fragments (every table in fragment 0, synced after step
@@ -571,18 +571,9 @@ constexpr int kT = 128, kMicro = 4, kSteps = 4, kVocab = 512;
 // summation order into whole steps of difference; so 0.15. The flipped sign: 2.0.
 constexpr double kTrainingBound = 0.15;
 
-GPTConfig training_config() {
-  GPTConfig c = gpu_config();
-  c.model_dim = 128;
-  c.num_heads = 1;
-  c.vocab_size = kVocab;
-  c.bos_token = kVocab - 1;
-  return c;
-}
-
 // The same shape for the CPU reference: the fragments are balanced by size, so the reference's
 // assignment must be of these sizes, not of reference_config()'s.
-ModelConfig reference_training_config() { return reference_config_of(training_config()); }
+ModelConfig reference_oracle_config() { return reference_config_of(oracle_config()); }
 
 const std::vector<uint16_t>& training_tokens() {
   static const std::vector<uint16_t> t = synthetic_tokens(size_t(kSteps) * kMicro * kT + 1, kVocab, kVocab - 1, 0.01, 8);
@@ -645,7 +636,7 @@ std::pair<std::vector<Tensors>, std::vector<Tensors>> train_with_diloco(const Co
   std::vector<Tensors> after_steps(static_cast<size_t>(W)), after_finish(static_cast<size_t>(W));
   SimulatedDeviceWorld(W).run([&](DeviceCommunicator& world) {
     ReplicaGroups groups(world, c.groups);
-    RankTrainer t(h, *groups.group, training_config());
+    RankTrainer t(h, *groups.group, oracle_config());
     initialize_nonzero(t.model.config(), t.model.params, 31);
     DiLoCo diloco(c.settings(), diloco_fragments(t.model.params, c.fragments), *groups.group, *groups.across);
     diloco.take_global_copies(0);
@@ -668,11 +659,11 @@ std::pair<std::vector<Tensors>, std::vector<Tensors>> train_with_reference_outer
   std::vector<SingleRankCommunicator> alone(static_cast<size_t>(c.groups));
   std::vector<std::unique_ptr<RankTrainer>> trainers;
   for (SingleRankCommunicator& comm : alone) {
-    trainers.push_back(std::make_unique<RankTrainer>(h, comm, training_config()));
+    trainers.push_back(std::make_unique<RankTrainer>(h, comm, oracle_config()));
     initialize_nonzero(trainers.back()->model.config(), trainers.back()->model.params, 31);
   }
   std::vector<Tensors> locals(static_cast<size_t>(c.groups));
-  ReferenceOuterLoop loop(c.reference(), reference_fragment_of(reference_training_config(), c.fragments),
+  ReferenceOuterLoop loop(c.reference(), reference_fragment_of(reference_oracle_config(), c.fragments),
                           download_parameters(trainers[0]->model.params));
   auto outer = [&](const std::function<void(std::vector<Tensors*>)>& step_of_loop) {
     std::vector<Tensors*> pointers;
@@ -702,7 +693,7 @@ std::pair<std::vector<Tensors>, std::vector<Tensors>> train_with_reference_outer
 // The worst relative error of any rank's parameter against its group's reference.
 double worst_training_error(const Config& c, const std::vector<Tensors>& ranks, const std::vector<Tensors>& groups,
                             std::string& where) {
-  const std::vector<Param> list = parameter_list(training_config());
+  const std::vector<Param> list = parameter_list(oracle_config());
   double worst = 0;
   for (size_t r = 0; r < ranks.size(); ++r)
     for (size_t p = 0; p < list.size(); ++p) {
@@ -756,7 +747,7 @@ void check_fragments(const GPTConfig& config, const ModelConfig& reference) {
 
 TEST_CASE("the trainer's fragments are the reference's, balanced, and one group builds no communicator") {
   check_fragments(gpu_config(), reference_config());
-  check_fragments(training_config(), reference_training_config());  // the end-to-end case's shape below
+  check_fragments(oracle_config(), reference_oracle_config());  // the end-to-end case's shape below
   SingleRankCommunicator alone;
   ReplicaGroups one(alone, 1);
   CHECK(!one.group && !one.across);  // G = 1: TrainingRun makes no DiLoCo, today's run bit for bit

@@ -33,7 +33,7 @@ using namespace fixture;
 // take part. The injected bugs run at W = 3, where the rounding is not zero.
 constexpr int kT = 128, kMicro = 4, kSteps = 2;
 constexpr int kBugWorld = 3;
-constexpr int kVocab = 512;
+constexpr int kVocab = kOracleVocab;
 // The CPU emulator, rounding as the GPU does, measured at this shape a worst error of 2.3e-2 with
 // fp32 traffic (W = 2, 3: a bf16 value embedding) and 0.15 with bf16 traffic (W = 8, the scalars'
 // Adam v); each bound leaves 3-4x for the GPU's own rounding. bf16 traffic rounds every partial
@@ -42,15 +42,6 @@ constexpr int kVocab = 512;
 constexpr double kBound = 0.1;
 constexpr double kBf16Bound = 0.5;
 constexpr double kRoundingMargin = 10;  // every injected bug / the rounding of its configuration
-
-GPTConfig oracle_config() {
-  GPTConfig c = gpu_config();
-  c.model_dim = 128;
-  c.num_heads = 1;
-  c.vocab_size = kVocab;
-  c.bos_token = kVocab - 1;
-  return c;
-}
 
 // Every (grad-comm mode, W) pair.
 // On the emulator in CI (the subset): fp32-rs at every W, the bf16 modes at W = 3 and 8.
