@@ -470,8 +470,13 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
       throw FlagError("--" + name + " has no effect without --matrix-optimizer rekls");
     if (name.rfind("diloco-", 0) == 0 && name != "diloco-groups" && h.diloco_groups <= 1)
       throw FlagError("--" + name + " has no effect without --diloco-groups 2 or more");
+    if (name == "fp8-logits-algorithm" && h.bf16_head)
+      throw FlagError("--fp8-logits-algorithm has no effect with --bf16-head (a bf16 head has no FP8 product)");
   }
-  check_matmul_algorithms(h);
+  if (std::count(given.begin(), given.end(), "matmul-algorithms") > 1)  // the last would silently drop the others' items
+    throw FlagError("--matmul-algorithms is given twice: join its items with commas in one value, e.g. "
+                    "--matmul-algorithms qkv.dx=1,mlp-fc.dw=2");
+  h.matmul_algorithms = check_matmul_algorithms(h).text();  // one spelling of each choice, in the log and checkpoints
   if (h.qkv_backward == "fused" && (h.attention == "flash-split" || h.attention == "reference"))
     throw FlagError("--qkv-backward fused needs the fused flash backward (--attention flash or flash-ws), not "
                     "--attention " + h.attention);
@@ -626,9 +631,13 @@ struct Checkpoint {
   int step = 0;
   std::vector<std::pair<std::string, std::vector<uint8_t>>> blobs;  // in writing order
 
-  const std::vector<uint8_t>& blob(const std::string& name, const std::string& path) const {
+  const std::vector<uint8_t>* find(const std::string& name) const {
     for (const auto& [n, bytes] : blobs)
-      if (n == name) return bytes;
+      if (n == name) return &bytes;
+    return nullptr;
+  }
+  const std::vector<uint8_t>& blob(const std::string& name, const std::string& path) const {
+    if (const std::vector<uint8_t>* bytes = find(name)) return *bytes;
     throw CheckpointError(path + ": no '" + name + "' in the checkpoint");
   }
 };
@@ -771,6 +780,18 @@ inline std::string resume_flags(const Hyperparameters& h, int world_size) {
                   (diloco && name.rfind("diloco-", 0) == 0 && name != "diloco-host-copies") ||
                   (rekls && (name == "matrix-optimizer" || name.rfind("rekls-", 0) == 0));
          });
+}
+
+// The flags that choose how the step computes, not the state it keeps (the kernels' paths, cuBLASLt's
+// algorithms), as "name=value" lines. A resume may change them (the state fits either), but its run
+// then computed its steps two ways: the resume's log line says so, and tools/records.py pools no
+// such run.
+inline std::string kernel_flags(const Hyperparameters& h) {
+  static const char* const names[] = {"attention", "fp8-gradient", "muon",         "residual-add",         "mlp-fc",
+                                      "qkv",       "qkv-backward", "fp8-logits-algorithm", "matmul-algorithms"};
+  return exact_flag_lines(h, [](const std::string& name) {
+    return std::find(std::begin(names), std::end(names), name) != std::end(names);
+  });
 }
 
 // "" when the checkpoint's flags equal this run's, else each difference. same_data (optional) says
@@ -2011,6 +2032,8 @@ inline std::vector<std::vector<ParamStorage>> diloco_fragments(const ParameterSt
 }
 
 constexpr const char* kRunFlagsBlob = "run flags";  // resume_flags of the run that wrote the checkpoint
+// kernel_flags of that run (absent from the checkpoints of trainers older than 2026-11-29)
+constexpr const char* kKernelFlagsBlob = "kernel flags";
 
 // Where each parameter lies in the two parameter blobs, one "<name> <blob> <dtype> <offset> <count>"
 // line each (offset and count in elements), so that a checkpoint is read parameter by parameter
@@ -2364,6 +2387,7 @@ struct ResumePoint {
   std::string path;
   Checkpoint checkpoint;
   std::string differences;  // the settings that differ from the checkpoint's, with --resume-other-settings
+  std::string kernel_differences;  // the kernel flags that differ from the checkpoint's run's
 };
 
 // Where --checkpoint-dir holds another world size's run: ": ..." saying so, else "". A checkpoint
@@ -2404,6 +2428,9 @@ inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h,
     if (!r.differences.empty() && !h.resume_other_settings)
       throw CheckpointError(r.path + ": written by a run with other settings: " + r.differences +
                             " (--resume-other-settings resumes anyway)");
+    const std::vector<uint8_t>* kernels = r.checkpoint.find(kKernelFlagsBlob);
+    r.kernel_differences = kernels ? resume_flag_differences(std::string(kernels->begin(), kernels->end()), kernel_flags(h))
+                                   : "not recorded (a checkpoint of an older trainer)";
     check_parameter_blobs(r.checkpoint, r.path, config);
     return r;
   } catch (const std::exception& e) {  // filesystem errors too
@@ -2699,7 +2726,8 @@ class TrainingRun {
     counters_.step = step;
     last_checkpoint_ = point.path;
     say("resumed from " + point.path + " at step " + std::to_string(step) +
-        (point.differences.empty() ? "" : ", with other settings: " + point.differences));
+        (point.differences.empty() ? "" : ", with other settings: " + point.differences) +
+        (point.kernel_differences.empty() ? "" : "; its steps before ran other kernels: " + point.kernel_differences));
   }
 
   // The training settings a checkpoint records: the head the run really trains (a self-check
@@ -2737,8 +2765,9 @@ class TrainingRun {
   // parameters, is finite: until then a NaN stop names the one before.
   void checkpoint(int step) {
     Checkpoint c = capture_state(state_, step);
-    const std::string flags = run_flags(), layout = parameter_layout(model_.params.list);
+    const std::string flags = run_flags(), kernels = kernel_flags(h_), layout = parameter_layout(model_.params.list);
     c.blobs.emplace_back(kRunFlagsBlob, std::vector<uint8_t>(flags.begin(), flags.end()));
+    c.blobs.emplace_back(kKernelFlagsBlob, std::vector<uint8_t>(kernels.begin(), kernels.end()));
     c.blobs.emplace_back(kParameterLayoutBlob, std::vector<uint8_t>(layout.begin(), layout.end()));
     write_checkpoint(checkpoint_dir_, c);
     unconfirmed_checkpoint_ = checkpoint_path(checkpoint_dir_, step);

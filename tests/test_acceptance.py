@@ -30,7 +30,7 @@ SCRIPT = os.path.join(ROOT, "tools", "acceptance.sh")
 
 # The trainer and the record's code for the anchor and profile phases: step lines of STEP_MS each
 # into the log folder (the trainer's --log-dir, the record's too) and on the console with a loss
-# that the last --seed given shifts; profiled (CUDA_INJECTION64_PATH and --profile-step),
+# that the last --seed given shifts (--fake-stop K: it dies after step K, exit 3); profiled (CUDA_INJECTION64_PATH and --profile-step),
 # kernel_profile's file: the step's range and three kernels.
 PROGRAM = """\
     import os, sys
@@ -44,10 +44,12 @@ PROGRAM = """\
     with open(os.path.join(folder, "run-id.txt"), "w") as log:
         log.write("step:0/%d val_loss:10.8 train_time:0ms step_avg:0.00ms\\n" % N)  # no step line
         seeds = [args[i + 1] for i, a in enumerate(args) if a == "--seed"]
-        for step in range(1, N + 1):
+        for step in range(1, (int(flag("--fake-stop")) if "--fake-stop" in args else N) + 1):
             log.write("step:%d/%d train_time:%dms step_avg:%.2fms\\n" % (step, N, step * step_ms, step_ms))
             print("step:%d/%d train_time:%dms step_avg:%.2fms loss:%.4f" %
                   (step, N, step * step_ms, step_ms, 10.0 / step + (seeds[-1:] == ["2"])))
+    if "--fake-stop" in args:
+        sys.exit(3)
     if os.environ.get("CUDA_INJECTION64_PATH") and "--profile-step" in args:
         ns = step_ms * 1000000
         with open(os.environ["KERNEL_PROFILE_OUT"], "w") as out:
@@ -292,10 +294,16 @@ class AcceptanceTest(unittest.TestCase):
         self.assertEqual(commands.count("cmake --preset release"), 1)  # configured once, then built per phase
         self.assertIn("--target slow_gpu_tests", commands)
         self.assertEqual(self.run_sh_calls()[0]["args"][:3], ["--self-check", "strict", "--self-check-only"])
-        # OUT holds what the device tool brings back: the report, one log per phase, the runs' folders.
-        self.assertEqual(sorted(os.listdir(out)), sorted(["report.md", "anchor", "profile"] +
-                                                         [f"{p}.log" for p in every_phase]))
+        # OUT holds what the device tool brings back (8 files at most): the report, and one log per
+        # phase with the runs' folders packed into one archive.
+        self.assertEqual(sorted(os.listdir(out)), ["report.md", "report.tar.gz"])
         self.assertEqual(self.read(os.path.join(out, "report.md")), report)
+        with tarfile.open(os.path.join(out, "report.tar.gz")) as packed:
+            names = packed.getnames()
+        for phase in every_phase:
+            self.assertIn(f"report/{phase}.log", names)
+        self.assertIn("report/anchor/ours_M8/console.txt", names)
+        self.assertIn("report/profile/ours/kernels.csv", names)
 
     def test_failures_are_named_in_the_report_and_on_the_console(self):
         status, report, output = self.acceptance("tests", "self-check", gpus=1, FAKE_FAILING_TEST="test_attention",
@@ -335,7 +343,7 @@ class AcceptanceTest(unittest.TestCase):
         result = subprocess.run(["bash", os.path.join(self.repo, "tools", "stage_build.sh")], capture_output=True,
                                 text=True, timeout=60)
         self.assertEqual(result.returncode, 0, result.stderr)
-        self.assertIn("of the carry's 64", result.stdout)
+        self.assertIn("of the tool's 64", result.stdout)
         self.assertEqual(self.staged("build.tar.xz"),
                          ["bench_kernels", "tests/CTestTestfile.cmake", "tests/test_kernels", "train_gpt"])
         shutil.rmtree(build)
@@ -473,9 +481,40 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("| M = 1, ours --muon per-matrix --seed 2 | 100.0 | 120.0 | 0.833 |", report)
         self.assertRegex(report, r"\| ours --attention flash-split, M = 8 \| 20 \| \d+ \| 730.0 \|")
         self.assertIn("- M = 8, ours --attention flash-split: the same at all 20 steps", report)
+        self.assertRegex(report, r"\| ours --attention flash-split, M = 8 \| 20 \| \d+ \| 730.0 \| the same at all 20 steps \|")
         self.assertIn("- M = 1, ours --muon per-matrix --seed 2: differ from step 1: 10.0000 against 11.0000", report)
         self.assertTrue(os.path.isdir(os.path.join(os.path.splitext(self.report)[0], "anchor",
                                                    "ours_M8___attention_flash_split")))
+
+    def test_at_bench_in_a_variant_is_the_bench_phase_s_fastest_matmul_algorithms(self):
+        with open(os.path.join(self.repo, "build", "bench_kernels"), "a") as f:
+            f.write('echo "| matmul: the fastest candidates\' flag | --matmul-algorithms qkv.dx=1,mlp-fc.dw=2 |"\n')
+        status, report, output = self.acceptance("bench", "anchor", gpus=1, ANCHOR_RUNS="8:20",
+                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench")
+        self.assertEqual(status, 0, output)
+        programs = self.read(self.calls + ".programs").splitlines()
+        self.assertTrue(programs[2].endswith("--matmul-algorithms qkv.dx=1,mlp-fc.dw=2"), programs[2])
+        # a later call on the same machine (build/ stays) finds it without the bench phase
+        os.remove(self.calls + ".programs")
+        status, report, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20",
+                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench")
+        self.assertEqual(status, 0, output)
+        self.assertTrue(self.read(self.calls + ".programs").splitlines()[2].endswith("qkv.dx=1,mlp-fc.dw=2"))
+        # neither build/'s value nor the report's line: the variant does not run, the others do
+        os.remove(os.path.join(self.repo, "build", "bench_matmul_algorithms.txt"))
+        os.remove(self.report)
+        status, report, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20",
+                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench;--seed 2")
+        self.assertEqual(status, 0, output)
+        self.assertIn("| ours --matmul-algorithms @bench, M = 8 | 20 | 0 | not run: no bench value for @bench", report)
+        self.assertIn("- M = 8, ours --seed 2: differ from step 1", report)
+
+    def test_a_variant_that_stops_early_is_not_said_to_agree(self):
+        status, report, _ = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20", ANCHOR_VARIANTS="--fake-stop 10")
+        self.assertEqual(status, 1)
+        self.assertIn("- M = 8, ours --fake-stop 10: the same at the 10 of 20 steps both printed (a run stopped early)",
+                      report)
+        self.assertRegex(report, r"\| ours --fake-stop 10, M = 8 \| 20 \| \d+ \| FAILED: exit 3 ")
 
     def test_a_staged_baseline_runs_beside_the_trainer_in_the_anchor_and_bench_phases(self):
         baseline = os.path.join(self.repo, ".carry", "baseline")

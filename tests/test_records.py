@@ -223,7 +223,10 @@ class Commands(TempDir):
         path = self.write("cut.txt", step_log(10, 4.0, 900, finished=False))
         rc, _, err = self.command("stats", LOG_8054, path)
         self.assertEqual(rc, 1)
-        self.assertIn("cut.txt: did not finish: no final step:10/10 val_loss line (last step seen: 10)", err)
+        self.assertIn("cut.txt: reached step 10/10 but has no val_loss line there", err)
+        cut = self.write("cut5.txt", "\n".join(step_log(10, 4.0, 900).splitlines()[:6]) + "\n")
+        rc, _, err = self.command("stats", LOG_8054, cut)
+        self.assertIn("cut5.txt: did not finish: no final step:10/10 val_loss line (last step seen: 5)", err)
 
     def test_refuses_runs_of_different_targets(self):
         short = self.write("short.txt", step_log(860, 2.67, 900))
@@ -401,6 +404,37 @@ class Settings(TempDir):
         self.assertEqual(rc, 0)
         self.assertIn("| < 1e-4 | yes |", out)
 
+    def test_a_resume_that_changed_settings_or_kernels_pools_with_nothing(self):
+        def resumed(rest):
+            return settings_log(3.1, 900).replace("step:0/10 val_loss", f"resumed from ckpt/step_000005.ckpt at step 5{rest}\n"
+                                                  "step:0/10 val_loss")
+        kernels = "; its steps before ran other kernels: --matmul-algorithms was first, is qkv.dx=1"
+        self.assertEqual(records.parse_log(self.write("k.txt", resumed(kernels))).resumed, (5, kernels[2:]))
+        rc, _, _ = self.stats(("a", settings_log(3.0, 900)), ("b", resumed("")))  # the same settings: one run
+        self.assertEqual(rc, 0)
+        for rest in (kernels, ", with other settings: --num-iterations was 8, is 10"):
+            rc, _, err = self.stats(("a", settings_log(3.0, 900)), ("b", resumed(rest)))
+            self.assertEqual(rc, 1)
+            self.assertIn("b.txt: resumed at step 5 from a run that differed (" + rest.lstrip(",; ") +
+                          "): its steps ran two ways", err)
+        ours, record = self.write("ours.txt", resumed(kernels)), self.write("record.txt", settings_log(3.0, 900))
+        rc, out, _ = self.command("compare", ours, record)
+        self.assertEqual(rc, 0)
+        self.assertIn("note: ours resumed at step 5 from a run that differed: " + kernels[2:], out)
+
+    def test_compare_notes_a_self_check_fallback(self):
+        fallback = "self-check fallback: FP8 head failed here; this run uses its reference (--bf16-head)"
+        ours = self.write("ours.txt", settings_log(3.0, 900).replace("self-check: 11", fallback + "\nself-check: 11"))
+        rc, out, _ = self.command("compare", ours, self.write("record.txt", settings_log(3.0, 900)))
+        self.assertEqual(rc, 0)
+        self.assertIn("note: ours trained on a reference path where the self-check refused a fast one: " + fallback, out)
+
+    def test_a_target_is_a_finite_loss_above_zero(self):
+        for target in ("nan", "inf", "1e400", "0", "-1"):
+            rc, _, err = self.stats(("a", settings_log(3.0, 900)), ("b", settings_log(3.1, 900)), target=target)
+            self.assertEqual(rc, 1)
+            self.assertIn("a val loss is a finite number above 0", err)
+
     def test_png_must_name_a_png_file(self):
         with self.assertRaises(SystemExit) as exit_status:
             self.command("stats", REFERENCE, "--png", "out.txt")
@@ -474,6 +508,19 @@ class Freeze(TempDir):
                     contents.append(f.read())
             self.assertEqual(contents[0], contents[1], name)
         self.assertEqual(records.record_target(folders[0]), 2.67)
+        readme = os.path.join(folders[0], "README.md")
+        with open(readme) as f:
+            text = f.read()
+        for line, target in (("Target val loss: 2.67.", 2.67), ("Target val loss: 0", None)):
+            with open(readme, "w") as f:
+                f.write(text.replace("Target val loss: 2.67", line))
+            if target:  # a full stop after the number is a sentence's, not a parse error
+                self.assertEqual(records.record_target(folders[0]), target)
+            else:
+                with self.assertRaisesRegex(records.RecordError, "target val loss 0: a val loss is a finite number"):
+                    records.record_target(folders[0])
+        with open(readme, "w") as f:
+            f.write(text)
         with open(os.path.join(folders[0], "train_gpt.cu")) as f:
             frozen = f.read()
         self.assertEqual(frozen.split("\n")[2], "//   " + records.BUILD_COMMAND)

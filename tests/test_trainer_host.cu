@@ -99,6 +99,8 @@ TEST_CASE("bad flags are errors that name the flag") {
                     "--rekls-eigenbasis-every has no effect without --matrix-optimizer rekls");
   parse_only({"--matrix-optimizer", "rekls", "--rekls-eigenbasis-every", "2"});
   CHECK_THROWS_WITH(parse_only({"--diloco-outer-lr", "0.5"}), "--diloco-outer-lr has no effect without --diloco-groups 2");
+  CHECK_THROWS_WITH(parse_only({"--bf16-head", "--fp8-logits-algorithm", "1"}),
+                    "--fp8-logits-algorithm has no effect with --bf16-head");
   CHECK_THROWS_WITH(parse_only({"--diloco-groups", "2", "--diloco-fragments", "4"}),
                     "--diloco-sync-every = 30: must be a positive multiple of --diloco-fragments");
   parse_only({"--diloco-groups", "2", "--diloco-fragments", "4", "--diloco-sync-every", "8"});
@@ -168,6 +170,12 @@ TEST_CASE("--matmul-algorithms: each named product's cuBLASLt candidate, the res
     for (int c : products) named += c != 0;
   CHECK(named == 3);
   CHECK(chosen.text() == "qkv.dx=1,attn-proj.fwd=15,mlp-fc.dw=2");  // table order: what bench_kernels prints
+  // the log and the checkpoints carry one spelling of each choice: the same choices pool (tools/records.py)
+  CHECK(parsed({"--matmul-algorithms", "mlp-fc.dw=2,qkv.dx=1,attn-proj.fwd=15"}).matmul_algorithms == chosen.text());
+  CHECK(parsed({"--matmul-algorithms", "qkv.fwd=0"}).matmul_algorithms == "first");
+  CHECK_THROWS_WITH(parse_only({"--matmul-algorithms", "qkv.dx=1", "--matmul-algorithms", "mlp-fc.dw=2"}),
+                    "--matmul-algorithms is given twice: join its items with commas");
+  CHECK_THROWS_WITH(parse_only({"--matmul-algorithms", "first,qkv.dx=1"}), "'first' is the whole value");
   CHECK(MatmulAlgorithms::parse(chosen.text(), Matmul::kMaxCandidates).text() == chosen.text());
   CHECK(MatmulAlgorithms::parse("qkv.fwd=0", Matmul::kMaxCandidates).text() == "first");
   const std::pair<const char*, const char*> refused[] = {
@@ -450,6 +458,21 @@ TEST_CASE("--resume reads and verifies this rank's newest checkpoint (before the
   std::optional<ResumePoint> point = checkpoint_to_resume(h, alone, tiny);
   CHECK(point && point->checkpoint.blobs == c.blobs && point->differences.empty() &&
         point->path == checkpoint_path(h.checkpoint_dir, 7));
+  // The kernel flags a resume may change, named in its log line (records.py pools no such run); an
+  // older trainer's checkpoint does not record them.
+  CHECK(point->kernel_differences == "not recorded (a checkpoint of an older trainer)");
+  const std::string kernels = kernel_flags(h);
+  CHECK(std::count(kernels.begin(), kernels.end(), '\n') == 9);  // every name of kernel_flags is a flag
+  Checkpoint with_kernels = c;
+  with_kernels.blobs.push_back({kKernelFlagsBlob, std::vector<uint8_t>(kernels.begin(), kernels.end())});
+  write_checkpoint(h.checkpoint_dir, with_kernels);
+  CHECK(checkpoint_to_resume(h, alone, tiny)->kernel_differences.empty());
+  Hyperparameters other_kernels = h;
+  other_kernels.matmul_algorithms = "qkv.dx=1";
+  other_kernels.attention = "flash-split";
+  CHECK(checkpoint_to_resume(other_kernels, alone, tiny)->kernel_differences ==
+        "--attention was flash, is flash-split; --matmul-algorithms was first, is qkv.dx=1");
+  write_checkpoint(h.checkpoint_dir, c);
   const std::string rank1 = none + "/rank1";  // W > 1: each rank's own folder
   CHECK_THROWS_WITH(checkpoint_to_resume(h, second_of_two, tiny), rank1.c_str());
   // Another model's checkpoint (the record's here), a short blob, a missing one: refused, named.

@@ -16,7 +16,11 @@
 #               tools/corpus_run.sh stage); ANCHOR_VARIANTS="flags;flags..." adds runs of the
 #               trainer with those flags after its own, each in the table (e.g. a kernel's previous
 #               version behind a flag, measured in the same call), and whether each printed the trainer's
-#               own losses (the same seed: a variant that changes no arithmetic must); ANCHOR_RUNS="M:N ..." other runs
+#               own losses (the same seed: a variant that changes no arithmetic must); "@bench" in a
+#               variant stands for the bench phase's fastest --matmul-algorithms value (from an
+#               earlier call on the same machine: build/bench_matmul_algorithms.txt, else the
+#               report's line), so that the anchor's call needs nothing read from the bench's;
+#               ANCHOR_RUNS="M:N ..." other runs
 #               than "8:20 1:60" (each run costs about 45 s of the trainer, 40-150 s of the record's
 #               code: "8:20" alone fits five variants into one device call)
 #               A baseline staged by tools/stage_build.sh (SPEEDRUN_BASELINE: an earlier commit's
@@ -35,9 +39,10 @@
 # One report: logs/acceptance-<host>-<date>.md (ACCEPTANCE_REPORT names another); each call adds
 # its machine's environment, then each phase its section; a phase's whole output goes to
 # <phase>.log in the folder beside the report (the report's name without .md). When OUT is set (the
-# device tool's folder, whose files come back), the logs go there and the report is copied there
-# after every line; a later call on a bare machine continues the report when ACCEPTANCE_REPORT
-# names it and it was copied back into the tree.
+# device tool's folder, whose files come back: 8 at most), the report is copied there after every
+# line and that folder, packed as one <folder>.tar.gz, after every phase and every anchor run, so
+# that a call cut short still brings back all it did; a later call on a bare machine continues the
+# report when ACCEPTANCE_REPORT names it and it was copied back into the tree.
 # SPEEDRUN_PREBUILT=1: build/ was built elsewhere (same toolkit, same paths) and is used as it is:
 # nothing is configured or built, so that a machine lent minutes at a time spends none compiling.
 # Exit status: 0 every phase passed, 1 one failed, 2 usage, 77 none failed but some had no GPU.
@@ -67,7 +72,7 @@ done
 
 host=$(hostname -s 2>/dev/null || hostname)
 report=${ACCEPTANCE_REPORT:-logs/acceptance-$host-$(date +%F).md}
-logs=${OUT:-${report%.md}}
+logs=${report%.md}
 mkdir -p "$(dirname "$report")" "$logs"
 work=$(mktemp -d)
 # run.sh builds the trainer unless it is told which to run.
@@ -106,6 +111,13 @@ fp32_bound=0.1 bf16_bound=0.5
 say() {
   printf '%s\n' "$@" >>"$report"
   if [[ -n ${OUT:-} && ! $report -ef $OUT/$(basename "$report") ]]; then cp "$report" "$OUT/"; fi
+}
+
+# Packs the logs' folder into OUT (one file, however many runs and phases), replacing the last pack.
+return_logs() {
+  [[ -n ${OUT:-} ]] || return 0
+  tar -czf "$OUT/logs.tar.gz.part" -C "$(dirname "$logs")" "$(basename "$logs")" &&
+    mv "$OUT/logs.tar.gz.part" "$OUT/$(basename "$logs").tar.gz"
 }
 
 # capture <file> <command...>: runs the command, its output into the file and the phase's log.
@@ -182,7 +194,7 @@ ctest_phase() {
   build_targets "$1" || return 1
   shift
   # Verbose: every test's own lines (its errors and margins) go to the phase's log, passed ones too.
-  capture "$work/ctest.txt" ctest --test-dir build "$@" --verbose
+  capture "$work/ctest.txt" ctest --test-dir build "$@" --no-tests=error --verbose
   local status=$?
   say "" "| test | result | time |" "|---|---|---|"
   say "$(sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*(\*\*\*| +)(.*[^ ]) +([0-9.]+) sec$/| \1 | \3 | \4 s |/p' "$work/ctest.txt")"
@@ -387,6 +399,7 @@ anchor_run() {
   local dir=$4 status times
   run_program "$@"
   status=$?
+  return_logs
   times=$(step_times_ms "$(run_log "$dir")" "$anchor_skip")
   if ((status != 0)) || [[ -z $times ]]; then
     echo "FAILED: exit $status$([[ -n $times ]] || echo ", no step lines") (${dir#"$logs"/}/console.txt)"
@@ -395,16 +408,20 @@ anchor_run() {
   echo "${times##* }"
 }
 
-# loss_agreement <console> <console>: whether two runs of the trainer printed the same loss at every
-# step (seeded alike, a variant that changes no arithmetic, e.g. --launch-overlap pdl or
-# --attention flash-ws, must), or the first step where they differ.
+# loss_agreement <console> <console> <N>: whether two runs of the trainer of N steps printed the same
+# loss at every step (seeded alike, a variant that changes no arithmetic, e.g. --launch-overlap pdl
+# or --attention flash-ws, must), or the first step where they differ; where one stopped early, at
+# how many of the N both printed.
 loss_agreement() {
-  awk '/^step:[0-9]+\/[0-9]+ .* loss:/ {
+  awk -v steps="$3" '/^step:[0-9]+\/[0-9]+ .* loss:/ {
          split($1, s, "[:/]"); for (i = 1; i <= NF; ++i) if ($i ~ /^loss:/) v = substr($i, 6)
          if (FILENAME == ARGV[1]) { a[s[2]] = v; next }
          if (s[2] in a) { ++n; if (a[s[2]] != v && d == "") d = "step " s[2] ": " a[s[2]] " against " v }
        }
-       END { print d != "" ? "differ from " d : (n ? "the same at all " n " steps" : "no step lines to compare") }' "$1" "$2"
+       END { if (d != "") print "differ from " d
+             else if (!n) print "no step lines to compare"
+             else if (n < steps) print "the same at the " n " of " steps " steps both printed (a run stopped early)"
+             else print "the same at all " n " steps" }' "$1" "$2"
 }
 
 phase_anchor() {
@@ -412,20 +429,21 @@ phase_anchor() {
   build_targets train_gpt || return 1
   need_corpus || return 1
   record=$(anchor_record) || return 1
-  local run M N who start mean means failed=0 rows=() variant variants=() flags label against=() agreements=() dir
+  local run M N who start mean means failed=0 rows=() variant variants=() flags label against=() agreements=() dir agreement fastest
   IFS=';' read -ra variants <<<"${ANCHOR_VARIANTS:-}"
   say "" "The trainer and record #25's own code (\`$record\`, run by tools/record_pytorch.py: M batches of its" \
     "own loader per step, each \`(loss / M).backward()\`, its step lines synchronised as the trainer's are, no" \
     "validation) on this GPU, one after the other, the trainer first; each over the window schedule of its N steps" \
     "(the record's formula). Mean step: the step lines' train_time from step $anchor_skip to N, over the steps" \
     "between (both programs' warm-ups are untimed; their first $anchor_skip timed steps are left out too)." "" \
-    "| run | steps | wall s (start-up, compile, warm-up included) | mean step ms |" "|---|---|---|---|"
+    "| run | steps | wall s (start-up, compile, warm-up included) | mean step ms | losses against ours (the same seed) |" \
+    "|---|---|---|---|---|"
   for run in "${anchor_runs[@]}"; do
     M=${run%:*} N=${run#*:} means=()
     for who in ours record; do
       start=$SECONDS
       mean=$(anchor_run "$who" "$M" "$N" "$logs/anchor/${who}_M$M") || failed=1
-      say "| $who, M = $M | $N | $((SECONDS - start)) | $mean |"
+      say "| $who, M = $M | $N | $((SECONDS - start)) | $mean | |"
       means+=("$([[ $mean == FAILED* ]] || echo "$mean")")
     done
     if [[ -n ${means[0]} && -n ${means[1]} ]]; then
@@ -434,13 +452,21 @@ phase_anchor() {
       rows+=("| M = $M | ${means[0]:-failed} | ${means[1]:-failed} | - |")
     fi
     for variant in "${variants[@]}"; do
+      if [[ $variant == *@bench* ]]; then
+        if ! fastest=$(bench_matmul_algorithms); then
+          say "| ours $variant, M = $M | $N | 0 | not run: no bench value for @bench (no bench phase on this machine, nor its line in the report) | |"
+          continue
+        fi
+        variant=${variant//@bench/$fastest}
+      fi
       read -ra flags <<<"$variant"
       ((${#flags[@]})) || continue
       label="ours ${flags[*]}" start=$SECONDS
       dir=$logs/anchor/ours_M${M}_$(echo "${flags[*]}" | tr -c 'A-Za-z0-9\n' _)
       mean=$(anchor_run ours "$M" "$N" "$dir" "${flags[@]}") || failed=1
-      say "| $label, M = $M | $N | $((SECONDS - start)) | $mean |"
-      agreements+=("- M = $M, $label: $(loss_agreement "$logs/anchor/ours_M$M/console.txt" "$dir/console.txt")")
+      agreement=$(loss_agreement "$logs/anchor/ours_M$M/console.txt" "$dir/console.txt" "$N")
+      say "| $label, M = $M | $N | $((SECONDS - start)) | $mean | $agreement |"
+      agreements+=("- M = $M, $label: $agreement")
       if [[ $mean != FAILED* && -n ${means[1]} ]]; then
         rows+=("| M = $M, $label | $mean | ${means[1]} | $(awk -v a="$mean" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
       fi
@@ -448,7 +474,7 @@ phase_anchor() {
     [[ -x $baseline/train_gpt ]] || continue
     label="baseline $(baseline_revision)" start=$SECONDS
     mean=$(anchor_run baseline "$M" "$N" "$logs/anchor/baseline_M$M") || failed=1
-    say "| $label, M = $M | $N | $((SECONDS - start)) | $mean |"
+    say "| $label, M = $M | $N | $((SECONDS - start)) | $mean | |"
     [[ $mean == FAILED* ]] && continue
     [[ -n ${means[1]} ]] &&
       rows+=("| M = $M, $label | $mean | ${means[1]} | $(awk -v a="$mean" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
@@ -533,6 +559,8 @@ phase_bench() {
   fi
   capture "$work/bench_kernels.txt" build/bench_kernels 20
   local status=$?
+  # the value of the anchor's "@bench": in build/, which stays between calls on one machine
+  matmul_flag_value "$work/bench_kernels.txt" >build/bench_matmul_algorithms.txt
   say "" "### Our kernels (\`build/bench_kernels 20\`)" "" "$(grep -v '^error' "$work/bench_kernels.txt")"
   ((status == 0)) || { say "" "bench_kernels FAILED (exit $status)."; return 1; }
   capture "$work/bench_torch.txt" python3 tools/bench_torch.py --ours "$work/bench_kernels.txt"
@@ -546,6 +574,20 @@ phase_bench() {
     "once; now / baseline below 1: faster now)" "" "| row | now ms | baseline ms | now / baseline |" "|---|---|---|---|" \
     "$(paired_bench_rows "$work/bench_kernels.txt" "$work/bench_baseline.txt")"
   return "$status"
+}
+
+# matmul_flag_value <file>: the last --matmul-algorithms value of bench_kernels' flag line in the file.
+matmul_flag_value() {
+  sed -nE "s/^\| matmul: the fastest candidates' flag +\| --matmul-algorithms ([^ |]+) \|$/\1/p" "$1" | tail -1
+}
+
+# What "@bench" in an anchor variant stands for: the bench phase's value, from this machine's earlier
+# call (build/) or from the report; nothing (status 1) where neither has one.
+bench_matmul_algorithms() {
+  local value
+  value=$(cat build/bench_matmul_algorithms.txt 2>/dev/null)
+  [[ -n $value ]] || value=$(matmul_flag_value "$report")
+  [[ -n $value ]] && echo "$value"
 }
 
 # The rows of bench_kernels' tables `now` and `before` that each names once (a repeated name, such as
@@ -586,6 +628,7 @@ for phase in "${phases[@]}"; do
     *) verdict=FAILED ;;
   esac
   say "" "**$phase: $verdict** ($((SECONDS - start)) s)"
+  return_logs
   results+=("| $phase | $verdict | $((SECONDS - start)) s |")
   echo "$phase: $verdict"
   if [[ $verdict == FAILED ]]; then

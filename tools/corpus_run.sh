@@ -14,7 +14,8 @@
 #                                   there: N (default 1) runs of the recipe on one GPU as the issue
 #                                   asks: M = 1, 860 iterations, validation of 10,485,760 tokens every
 #                                   125 steps, the trainer's flags given after N added (e.g.
-#                                   --matrix-optimizer rekls); logs in logs/ (and $OUT/logs when set),
+#                                   --matrix-optimizer rekls); logs in logs/ (packed into
+#                                   $OUT/corpus-logs.tar.gz after each run when OUT is set),
 #                                   then their statistics against TARGET (default 2.67, the corpus's
 #                                   stated target)
 # Builds build/train_gpt first (not with SPEEDRUN_PREBUILT=1: a build made elsewhere, used as it
@@ -85,17 +86,23 @@ steps() {
 }
 
 full() {
-  local runs=${1:-1} before
+  local runs=${1:-1} before new=() f
   shift || true
   mkdir -p logs
   before=$(ls logs)
   for ((i = 0; i < runs; ++i)); do
     "$trainer" "${data_flags[@]}" --micro-batches 1 --num-iterations 860 --val-every 125 \
-      --checkpoint-dir "$work/checkpoints_$i" --log-dir logs "$@"
+      --checkpoint-dir "$work/checkpoints_$i" --log-dir logs "$@" ||
+      echo "run $((i + 1)) of $runs: the trainer stopped with exit $?" >&2
+    new=()
+    for f in logs/*.txt; do grep -qxF "$(basename "$f")" <<<"$before" || new+=("$f"); done
+    # One file back however many runs (the device tool brings back 8 at most), after every run: a
+    # call cut short still brings back the runs it finished.
+    if [[ -n ${OUT:-} ]] && ((${#new[@]})); then
+      tar -czf "$OUT/corpus-logs.tar.gz.part" "${new[@]}" && mv "$OUT/corpus-logs.tar.gz.part" "$OUT/corpus-logs.tar.gz"
+    fi
   done
-  local new=()
-  for f in logs/*.txt; do grep -qxF "$(basename "$f")" <<<"$before" || new+=("$f"); done
-  if [[ -n ${OUT:-} ]]; then mkdir -p "$OUT/logs" && cp "${new[@]}" "$OUT/logs/"; fi
+  ((${#new[@]})) || { echo "no run wrote a log" >&2; return 1; }
   python3 tools/records.py stats "${new[@]}" --target "${TARGET:-2.67}" || true
 }
 
@@ -104,7 +111,7 @@ case ${1:-} in
     mkdir -p "$staged" .carry/anchor
     cp ../shared/data/corpus/*.bin.xz ../shared/data/corpus/SHA256SUMS "$staged/"
     cp ../shared/anchor/record25/train_gpt.py .carry/anchor/
-    du -sh .carry
+    tools/stage_build.sh size
     ;;
   unpack) unpack ;;
   steps) unpack && build_trainer && steps "${2:-20}" ;;

@@ -26,7 +26,7 @@ BUILD_COMMAND = ("nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --ex
                  "-o train_gpt train_gpt.cu -lcublasLt -lcublas -lcusolver -lnccl")
 TABLE_BEGIN, TABLE_END = "<!-- records:begin -->", "<!-- records:end -->"
 RECORD_FOLDER = re.compile(r"\d{4}-\d{2}-\d{2}_[A-Za-z0-9][A-Za-z0-9_.-]*")
-TARGET_LINE = re.compile(r"^Target val loss: ([0-9.]+)$", re.M)
+TARGET_LINE = re.compile(r"^Target val loss: ([0-9]+(?:\.[0-9]+)?)\.?[ \t]*$", re.M)  # a sentence's full stop may follow
 NO_RUNS = "No runs yet.\n"
 
 
@@ -44,6 +44,9 @@ NUMBER = r"-?(?:\d+(?:\.\d+)?|nan|inf)"
 VAL_LINE = re.compile(rf"step:(\d+)/(\d+) val_loss:({NUMBER}) train_time:(\d+)ms step_avg:{NUMBER}ms")
 TRAIN_LINE = re.compile(rf"step:(\d+)/(\d+) train_time:(\d+)ms step_avg:{NUMBER}ms")
 FALLBACK_LINE = "self-check fallback: "
+# The trainer's line when --resume continued a run: what differed from the run that wrote the
+# checkpoint follows the step (", with other settings: ..." and "; its steps before ran other kernels: ...").
+RESUMED_LINE = re.compile(r"resumed from (.+) at step (\d+)(.*)")
 
 
 SETTING_LINE = re.compile(r"setting: ([a-z0-9-]+)=(.*)")
@@ -64,6 +67,7 @@ class Run:
     settings: dict = field(default_factory=dict)  # flag -> exact value, from the header's setting: lines
     shards: list = field(default_factory=list)  # (flag, size in bytes, token hash) of every shard read
     header: dict = field(default_factory=dict)  # command, build, ranks, gpu lines of the header
+    resumed: tuple = None  # (step, what differed: "" or the trainer's words) where --resume continued a run
 
     def final(self):
         """(val loss, train ms) of the final step:N/N val_loss line, or None if the run did not finish."""
@@ -98,6 +102,9 @@ def parse_log(path):
             run.shards.append((m[1], m[2], int(m[3]), m[4]))
         elif (key := line.split(": ", 1)[0]) in ("command", "build", "ranks", "gpu") and ": " in line:
             run.header[key] = line.split(": ", 1)[1]
+    for line in lines[rules[0] + 1 if rules else 0:]:
+        if m := RESUMED_LINE.fullmatch(line):
+            run.resumed = (int(m[2]), m[3].lstrip(",; "))
     targets = set()
     for line in lines[rules[-1] + 1 if rules else 0:]:
         if m := VAL_LINE.fullmatch(line):
@@ -135,12 +142,18 @@ def finished_runs(paths):
         final = run.final()
         if final is None:
             last = max([s for s, _ in run.train] + [s for s, _, _ in run.val])
+            if last == run.num_iterations:
+                raise RecordError(f"{run.path}: reached step {last}/{run.num_iterations} but has no val_loss line "
+                                  "there (a run that never validated at its end has no final loss)")
             raise RecordError(f"{run.path}: did not finish: no final step:{run.num_iterations}/"
                               f"{run.num_iterations} val_loss line (last step seen: {last})")
         if not math.isfinite(final[0]):
             raise RecordError(f"{run.path}: final val_loss is {final[0]}")
         if run.fallbacks:
             raise RecordError(f"{run.path}: trained on a reference path, not a record run: {run.fallbacks[0]}")
+        if run.resumed and run.resumed[1]:
+            raise RecordError(f"{run.path}: resumed at step {run.resumed[0]} from a run that differed ({run.resumed[1]}): "
+                              "its steps ran two ways, so it pools with no other run")
     by_target = {}
     for run in runs:
         by_target.setdefault(run.num_iterations, []).append(run.path)
@@ -407,6 +420,11 @@ def comparison_notes(ours, record):
         notes += [f"the runs differ in {d}" for d in setting_differences([ours, record])]
     if gpu_of(ours) != gpu_of(record):
         notes.append(f"ours ran on {gpu_of(ours)}, the record on {gpu_of(record)}: their times are of other GPUs")
+    for who, run in (("ours", ours), ("the record's", record)):
+        if run.fallbacks:
+            notes.append(f"{who} trained on a reference path where the self-check refused a fast one: {run.fallbacks[0]}")
+        if run.resumed and run.resumed[1]:
+            notes.append(f"{who} resumed at step {run.resumed[0]} from a run that differed: {run.resumed[1]}")
     return notes
 
 
@@ -800,6 +818,8 @@ def record_target(folder):
         m = TARGET_LINE.search(f.read())
     if not m:
         raise RecordError(f"{folder}/README.md: no 'Target val loss: X' line")
+    if float(m[1]) <= 0:
+        raise RecordError(f"{folder}/README.md: target val loss {m[1]}: a val loss is a finite number above 0")
     return float(m[1])
 
 
@@ -904,6 +924,8 @@ def main(argv=None):
 
 
 def run_command(args):
+    if getattr(args, "target", None) is not None and not (math.isfinite(args.target) and args.target > 0):
+        raise RecordError(f"--target {args.target}: a val loss is a finite number above 0")
     if args.command == "freeze":
         path = freeze(args.name, args.date, args.target, args.records_dir, from_logs=args.from_log)
         print(f"{path}: frozen. Next: fill in its README, build and run it, copy every run's log there, "

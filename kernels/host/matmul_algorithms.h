@@ -46,6 +46,7 @@ struct MatmulAlgorithms {
       if (end == std::string::npos) end = text.size();
       const std::string item = text.substr(start, end - start);
       start = end + 1;
+      if (item == "first") throw std::invalid_argument("'first' is the whole value (no product named), not an item of a list");
       const size_t dot = item.find('.'), eq = item.find('=');
       if (dot == std::string::npos || eq == std::string::npos || eq < dot)
         throw std::invalid_argument("'" + item + "' is not linear.product=N (e.g. mlp-fc.dw=2), nor is the value \"first\"");
