@@ -18,6 +18,15 @@
 #                                   $OUT/corpus-logs.tar.gz after each run when OUT is set),
 #                                   then their statistics against TARGET (default 2.67, the corpus's
 #                                   stated target)
+#   tools/corpus_run.sh stage-record records/<date>_<name>
+#                                   here: that record's frozen file built with its documented command
+#                                   into .carry/<date>_<name>/train_gpt (carried with the corpus)
+#   tools/corpus_run.sh record records/<date>_<name> [N]
+#                                   there: N (default 2) runs of that build, `full`'s recipe, in the
+#                                   record's folder (a trainer of 2026-11-26 logs the train_gpt.cu of
+#                                   its working directory as its source); logs in logs/ and packed
+#                                   into $OUT/record-logs.tar.gz after each run: copy them into the
+#                                   record's folder, then `python3 tools/records.py table`
 # Builds build/train_gpt first (not with SPEEDRUN_PREBUILT=1: a build made elsewhere, used as it
 # is). The corpus holds 876 M = 1 steps (109 at M = 8): the loader must never cycle, so K and the
 # iterations stay within that.
@@ -85,25 +94,56 @@ steps() {
   if [[ -n ${OUT:-} ]]; then cp "$trace" "$OUT/"; fi
 }
 
-full() {
-  local runs=${1:-1} before new=() f
-  shift || true
+# recipe_runs <trainer> <folder> <logs name> <N> [flag...]: N runs of the recipe on one GPU in the
+# folder (the trainer's working directory; the corpus and the logs found from the repository root),
+# each log packed into $OUT/<logs name>.tar.gz after every run, then their statistics.
+recipe_runs() {
+  local trainer=$1 folder=$2 name=$3 runs=$4 root=$PWD before new=() f
+  shift 4
   mkdir -p logs
   before=$(ls logs)
   for ((i = 0; i < runs; ++i)); do
-    "$trainer" "${data_flags[@]}" --micro-batches 1 --num-iterations 860 --val-every 125 \
-      --checkpoint-dir "$work/checkpoints_$i" --log-dir logs "$@" ||
-      echo "run $((i + 1)) of $runs: the trainer stopped with exit $?" >&2
+    (cd "$folder" && "$trainer" --train-files "$root/$shards/corpus_train_*.bin" --val-files "$root/$shards/corpus_val_*.bin" \
+      --micro-batches 1 --num-iterations 860 --val-every 125 --checkpoint-dir "$work/checkpoints_$i" \
+      --log-dir "$root/logs" "$@") || echo "run $((i + 1)) of $runs: the trainer stopped with exit $?" >&2
     new=()
     for f in logs/*.txt; do grep -qxF "$(basename "$f")" <<<"$before" || new+=("$f"); done
     # One file back however many runs (the device tool brings back 8 at most), after every run: a
     # call cut short still brings back the runs it finished.
     if [[ -n ${OUT:-} ]] && ((${#new[@]})); then
-      tar -czf "$OUT/corpus-logs.tar.gz.part" "${new[@]}" && mv "$OUT/corpus-logs.tar.gz.part" "$OUT/corpus-logs.tar.gz"
+      tar -czf "$OUT/$name.tar.gz.part" "${new[@]}" && mv "$OUT/$name.tar.gz.part" "$OUT/$name.tar.gz"
     fi
   done
   ((${#new[@]})) || { echo "no run wrote a log" >&2; return 1; }
   python3 tools/records.py stats "${new[@]}" --target "${TARGET:-2.67}" || true
+}
+
+full() {
+  local runs=${1:-1}
+  shift || true
+  recipe_runs "$PWD/$trainer" . corpus-logs "$runs" "$@"
+}
+
+# The frozen build of a committed record, staged by `stage-record` in .carry/<its name>/.
+record_build() { echo ".carry/$(basename "$1")/train_gpt"; }
+
+stage_record() {
+  local folder=${1%/} command
+  [[ -f $folder/train_gpt.cu ]] || { echo "error: $folder/train_gpt.cu: no such record (records/<date>_<name>)" >&2; return 2; }
+  command=$(sed -n '3s|^//   ||p' "$folder/train_gpt.cu")
+  [[ $command == "nvcc "* ]] || { echo "error: $folder/train_gpt.cu: line 3 is not its build command" >&2; return 1; }
+  mkdir -p "$(dirname "$(record_build "$folder")")"
+  cp "$folder/train_gpt.cu" "$work/train_gpt.cu"
+  (cd "$work" && bash -c "$command") && mv "$work/train_gpt" "$(record_build "$folder")"
+  echo "$(record_build "$folder"): $folder's frozen file, built with its documented command"
+  tools/stage_build.sh size
+}
+
+record() {
+  local folder=${1%/} runs=${2:-2} build
+  build=$PWD/$(record_build "$folder")
+  [[ -x $build ]] || { echo "error: $build is missing: tools/corpus_run.sh stage-record $folder, here" >&2; return 1; }
+  recipe_runs "$build" "$folder" record-logs "$runs"
 }
 
 case ${1:-} in
@@ -113,8 +153,10 @@ case ${1:-} in
     cp ../shared/anchor/record25/train_gpt.py .carry/anchor/
     tools/stage_build.sh size
     ;;
+  stage-record) stage_record "${2:?usage: $0 stage-record records/<date>_<name>}" ;;
   unpack) unpack ;;
+  record) unpack && record "${2:?usage: $0 record records/<date>_<name> [N]}" "${3:-2}" ;;
   steps) unpack && build_trainer && steps "${2:-20}" ;;
   full) unpack && build_trainer && full "${@:2}" ;;
-  *) sed -n "2,22p" "$0" >&2; exit 2 ;;
+  *) sed -n "2,32p" "$0" >&2; exit 2 ;;
 esac
