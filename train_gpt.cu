@@ -2554,17 +2554,37 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
   std::snprintf(summary, sizeof summary, "self-check: %zu checks, %d failed, %.1f s", results.size(), failed_checks,
                 seconds);
   outcome.lines.push_back(summary);
+  // whether any check of `path` in `checks` failed on this rank, and on any rank
+  auto vote = [comm](const std::vector<SelfCheckResult>& checks, bool KernelPaths::*path) {
+    bool here = false;
+    for (const SelfCheckResult& r : checks) here |= r.path == path && !r.passed();
+    return std::pair<bool, bool>{here, comm ? comm->all_reduce_sum(here ? 1.0 : 0.0) > 0 : here};
+  };
   for (const FastPath& path : fast_paths()) {
-    bool failed_here = false;
-    for (const SelfCheckResult& r : results) failed_here |= r.path == path.member && !r.passed();
-    const bool failed = comm ? comm->all_reduce_sum(failed_here ? 1.0 : 0.0) > 0 : failed_here;
+    const auto [failed_here, failed] = vote(results, path.member);
     if (!failed) continue;
     outcome.failed_paths += (outcome.failed_paths.empty() ? "" : ", ") + std::string(path.name);
+    const std::string where = failed_here ? "here" : "on another rank";
+    // The newest flash kernels failing: the earlier flash kernels, checked now, before the reference.
+    if (path.member == &KernelPaths::flash_attention && has_earlier_flash_kernels(outcome.paths) &&
+        h.self_check == "fallback") {
+      const KernelPaths earlier = earlier_flash_kernels(outcome.paths);
+      const std::vector<SelfCheckResult> again =
+          flash_attention_results(shape, earlier, layout.data(), bos, stream, " (flash-split)");
+      CUDA_CHECK(cudaDeviceSynchronize());
+      for (const SelfCheckResult& r : again) outcome.lines.push_back(r.line());
+      if (!vote(again, path.member).second) {
+        outcome.paths = earlier;
+        outcome.lines.push_back("self-check fallback: flash attention (its fused backward or warp-specialised "
+                                "forward) failed " + where + "; the two-kernel flash path passed, and this run uses it "
+                                "(--attention flash-split): slower, and not a record run");
+        continue;
+      }
+    }
     outcome.paths.*path.member = false;
     if (h.self_check == "fallback")
-      outcome.lines.push_back(std::string("self-check fallback: ") + path.name + " failed " +
-                              (failed_here ? "here" : "on another rank") + "; this run uses its reference (" +
-                              path.reference_flag + "): slower, and not a record run");
+      outcome.lines.push_back(std::string("self-check fallback: ") + path.name + " failed " + where +
+                              "; this run uses its reference (" + path.reference_flag + "): slower, and not a record run");
   }
   return outcome;
 }

@@ -204,9 +204,12 @@ inline double attention_error(const SelfCheckShape& s, const KernelPaths& in_use
     const DeviceBuffer<bf16>* results[4] = {&y, &dq, &dk, &dv};
     for (int i = 0; i < 4; ++i) outputs[reference][i] = to_double(results[i]->download());
   }
+  const bool newest = in_use.fused_attention_backward || in_use.warp_specialised_attention_forward;
   double worst = 0;
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 4; ++i) {
     worst = std::max(worst, fast_path_error(outputs[0][i], outputs[1][i], Fault::wrong_flash_attention));
+    if (newest) worst = std::max(worst, fast_path_error(outputs[0][i], outputs[1][i], Fault::wrong_newest_flash_kernels));
+  }
   return worst;
 }
 
@@ -443,6 +446,31 @@ void add_results(std::vector<SelfCheckResult>& results, const std::vector<CheckS
 
 }  // namespace self_check
 
+// The flash kernels `in_use` selects against the reference attention at windows 1, 3 and 14 (each
+// check named "flash attention<what>, window w").
+inline std::vector<SelfCheckResult> flash_attention_results(const SelfCheckShape& s, const KernelPaths& in_use,
+                                                            const uint16_t* tokens, uint16_t bos, cudaStream_t stream,
+                                                            const std::string& what = "") {
+  using namespace self_check;
+  std::vector<SelfCheckResult> results;
+  for (int window : {1, 3, 14})
+    add_results(results, {{"flash attention" + what + ", window " + std::to_string(window), &KernelPaths::flash_attention,
+                           kBf16PathsBound}},
+                [&] { return std::vector<double>{attention_error(s, in_use, tokens, bos, window, stream)}; });
+  return results;
+}
+
+// The flash path a run falls back to before the reference attention, where the newest flash kernels
+// (the fused backward, the warp-specialised forward) fail: the default forward and the two-kernel
+// backward (--attention flash-split); the qkv backward, which rides on the fused one, goes with it.
+inline KernelPaths earlier_flash_kernels(KernelPaths p) {
+  p.fused_attention_backward = p.warp_specialised_attention_forward = p.qkv_backward_in_attention = false;
+  return p;
+}
+inline bool has_earlier_flash_kernels(const KernelPaths& p) {
+  return p.flash_attention && (p.fused_attention_backward || p.warp_specialised_attention_forward);
+}
+
 // Every fast path that `in_use` uses against its reference; one result per problem (a path the
 // flags replaced already is not checked: its failure would change nothing). `tokens`
 // ([attention_tokens]) gives the attention problems their document layout.
@@ -451,11 +479,7 @@ inline std::vector<SelfCheckResult> run_self_check(const SelfCheckShape& s, cons
                                                    cudaStream_t stream) {
   using namespace self_check;
   std::vector<SelfCheckResult> results;
-  if (in_use.flash_attention)
-    for (int window : {1, 3, 14})
-      add_results(results, {{"flash attention, window " + std::to_string(window), &KernelPaths::flash_attention,
-                             kBf16PathsBound}},
-                  [&] { return std::vector<double>{attention_error(s, in_use, tokens, bos, window, stream)}; });
+  if (in_use.flash_attention) results = flash_attention_results(s, in_use, tokens, bos, stream);
   if (in_use.fp8_head) {
     std::vector<CheckSpec> specs = {{"FP8 head logits", &KernelPaths::fp8_head, kFp8ProductBound},
                                     {"FP8 head dx", &KernelPaths::fp8_head, kFp8ProductBound},

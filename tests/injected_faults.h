@@ -29,6 +29,7 @@ inline const char* fault_name(Fault f) {
     case Fault::wrong_fused_mlp_fc: return "wrong_fused_mlp_fc";
     case Fault::wrong_fused_qkv: return "wrong_fused_qkv";
     case Fault::wrong_qkv_backward: return "wrong_qkv_backward";
+    case Fault::wrong_newest_flash_kernels: return "wrong_newest_flash_kernels";
     case Fault::diloco_flipped_sign: return "diloco_flipped_sign";
     case Fault::diloco_mix_to_copy: return "diloco_mix_to_copy";
     case Fault::diloco_average_by_world: return "diloco_average_by_world";

@@ -15,6 +15,7 @@ enum class Fault {
   skip_all_gather,             // Muon's all-gather is skipped: other ranks keep stale matrices
   replicated_count_per_rank,   // every rank contributes the (replicated) global count to its sum
   wrong_flash_attention,       // the self-check sees the flash kernels' outputs 25% off
+  wrong_newest_flash_kernels,  // ... only where the fused backward or the warp-specialised forward runs
   wrong_fp8_head,              // ... the FP8 head's products
   wrong_fused_e5m2_gradient,   // ... the cross-entropy's fused e5m2 gradient
   wrong_batched_muon,          // ... the batched Muon update

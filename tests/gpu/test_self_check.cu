@@ -131,6 +131,45 @@ TEST_CASE("--attention flash-ws: the self-check checks the warp-specialised forw
   CHECK(!failed.paths.flash_attention);
 }
 
+// The newest flash kernels failing where the earlier ones pass (the fused backward's cross-CTA dq
+// order or the warp-specialised forward's TMA ring misread on new hardware, say): fallback takes the
+// two-kernel flash path, checked first, not the reference attention; strict still stops.
+TEST_CASE("wrong newest flash kernels: fallback takes the two-kernel flash path once it passes, not the reference") {
+  // the emulator (CI) the default flash kernels only: each self-check here is a few emulated seconds
+  const std::vector<const char*> attentions =
+      emulating_a_subset() ? std::vector<const char*>{"flash"} : std::vector<const char*>{"flash", "flash-ws"};
+  for (const char* attention : attentions) {
+    Hyperparameters h = with_every_fast_path();
+    h.attention = attention;
+    const SelfCheckOutcome outcome = self_check_with(h, Fault::wrong_newest_flash_kernels);
+    for (const std::string& line : outcome.lines)
+      if (line.find("flash attention") != std::string::npos) std::printf("  %s\n", line.c_str());
+    CHECK(outcome.failed_paths == "flash attention");
+    CHECK(outcome.paths.flash_attention && !outcome.paths.fused_attention_backward &&
+          !outcome.paths.warp_specialised_attention_forward && !outcome.paths.qkv_backward_in_attention);
+    Hyperparameters split = h;
+    split.attention = "flash-split";
+    split.qkv_backward = "separate";
+    CHECK(same_paths(outcome.paths, paths_of(split)));
+    CHECK(outcome.lines.back().find("self-check fallback: flash attention (its fused backward or warp-specialised "
+                                    "forward) failed here; the two-kernel flash path passed") == 0);
+    int split_checks = 0;
+    for (const std::string& line : outcome.lines)
+      split_checks += line.find("self-check flash attention (flash-split), window ") == 0 &&
+                      line.compare(line.size() - 2, 2, "ok") == 0;
+    CHECK(split_checks == 3);
+    Hyperparameters strict = h;  // strict stops on the first failure, before any fallback
+    strict.self_check = "strict";
+    CHECK_THROWS_WITH(outcome.stop_if_strict(strict), "self-check failed: flash attention");
+  }
+  // with the two-kernel path asked for (or the reference), there is no earlier flash path to take
+  Hyperparameters split;
+  split.attention = "flash-split";
+  CHECK(!has_earlier_flash_kernels(paths_of(split)));
+  split.attention = "reference";
+  CHECK(!has_earlier_flash_kernels(paths_of(split)));
+}
+
 TEST_CASE("a check that throws (a library refusing on new hardware) fails its path instead of ending the rank") {
   std::vector<SelfCheckResult> results;
   self_check::add_results(results, {{"batched Muon 3x3", &KernelPaths::batched_muon, 1e-2}},
