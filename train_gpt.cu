@@ -2032,8 +2032,16 @@ inline std::vector<std::vector<ParamStorage>> diloco_fragments(const ParameterSt
 }
 
 constexpr const char* kRunFlagsBlob = "run flags";  // resume_flags of the run that wrote the checkpoint
-// kernel_flags of that run (absent from the checkpoints of trainers older than 2026-11-29)
+// kernel_flags of the kernels that run used (absent from the checkpoints of trainers older than 2026-11-29)
 constexpr const char* kKernelFlagsBlob = "kernel flags";
+
+// The kernel flags in which a run resumed from `c` differs from the run that wrote it ("": none);
+// `ran` the flags of the kernels the resumed run uses (after its self-check).
+inline std::string kernel_flag_differences(const Checkpoint& c, const Hyperparameters& ran) {
+  const std::vector<uint8_t>* saved = c.find(kKernelFlagsBlob);
+  if (!saved) return "not recorded (a checkpoint of an older trainer)";
+  return resume_flag_differences(std::string(saved->begin(), saved->end()), kernel_flags(ran));
+}
 
 // Where each parameter lies in the two parameter blobs, one "<name> <blob> <dtype> <offset> <count>"
 // line each (offset and count in elements), so that a checkpoint is read parameter by parameter
@@ -2387,7 +2395,6 @@ struct ResumePoint {
   std::string path;
   Checkpoint checkpoint;
   std::string differences;  // the settings that differ from the checkpoint's, with --resume-other-settings
-  std::string kernel_differences;  // the kernel flags that differ from the checkpoint's run's
 };
 
 // Where --checkpoint-dir holds another world size's run: ": ..." saying so, else "". A checkpoint
@@ -2428,9 +2435,6 @@ inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h,
     if (!r.differences.empty() && !h.resume_other_settings)
       throw CheckpointError(r.path + ": written by a run with other settings: " + r.differences +
                             " (--resume-other-settings resumes anyway)");
-    const std::vector<uint8_t>* kernels = r.checkpoint.find(kKernelFlagsBlob);
-    r.kernel_differences = kernels ? resume_flag_differences(std::string(kernels->begin(), kernels->end()), kernel_flags(h))
-                                   : "not recorded (a checkpoint of an older trainer)";
     check_parameter_blobs(r.checkpoint, r.path, config);
     return r;
   } catch (const std::exception& e) {  // filesystem errors too
@@ -2474,6 +2478,25 @@ inline KernelPaths paths_of(const Hyperparameters& h) {
   p.fp8_logits_candidate = h.fp8_logits_algorithm;
   p.matmul_algorithms = check_matmul_algorithms(h);
   return p;
+}
+
+// The flags that select `p` (paths_of's inverse on the path flags; the rest h's): what a run whose
+// self-check replaced a fast path really ran, as its checkpoints record it.
+inline Hyperparameters flags_of_paths(Hyperparameters h, const KernelPaths& p) {
+  h.attention = !p.flash_attention                   ? "reference"
+                : p.warp_specialised_attention_forward ? "flash-ws"
+                : p.fused_attention_backward          ? "flash"
+                                                      : "flash-split";
+  h.bf16_head = !p.fp8_head;
+  h.fp8_gradient = p.fused_e5m2_gradient ? "fused" : "cast";
+  h.muon = p.batched_muon ? "batched" : "per-matrix";
+  h.residual_add = p.fused_residual_add ? "fused" : "separate";
+  h.mlp_fc = p.fused_mlp_fc ? "fused" : "cublaslt";
+  h.qkv = p.fused_qkv ? "fused" : "cublaslt";
+  h.qkv_backward = p.qkv_backward_in_attention ? "fused" : "separate";
+  h.fp8_logits_algorithm = p.fp8_head ? p.fp8_logits_candidate : 0;
+  h.matmul_algorithms = p.matmul_algorithms.text();
+  return h;
 }
 
 // The self-check's problems at the model's width, heads and vocabulary.
@@ -2541,8 +2564,21 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
   const auto start = std::chrono::steady_clock::now();
   const std::vector<uint16_t> layout = self_check_layout(val, shape.attention_tokens, bos);
   Matmul matmul;
+  // A kernel that trapped or faulted leaves this process's GPU context unusable (every later call
+  // fails alike): no fallback can follow, so the run stops naming the checks that failed.
+  auto settle = [](const std::vector<SelfCheckResult>& checks) {
+    const cudaError_t error = cudaDeviceSynchronize();
+    if (error == cudaSuccess) return;
+    std::string failed;
+    for (const SelfCheckResult& r : checks)
+      if (!r.passed()) failed += "\n  " + r.line();
+    throw SelfCheckFailed(std::string("self-check: the GPU stopped (") + cudaGetErrorString(error) +
+                          "): a check's kernel trapped or faulted, and this process can take no fallback after it; "
+                          "the checks that failed:" + failed + "\nrun again with the failing path's reference flag "
+                          "(flash attention: --attention flash-split, else --attention reference)");
+  };
   const std::vector<SelfCheckResult> results = run_self_check(shape, outcome.paths, layout.data(), bos, matmul, stream);
-  CUDA_CHECK(cudaDeviceSynchronize());
+  settle(results);
   int failed_checks = 0;
   for (const SelfCheckResult& r : results) {
     outcome.lines.push_back(r.line());
@@ -2571,10 +2607,12 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
       const KernelPaths earlier = earlier_flash_kernels(outcome.paths);
       const std::vector<SelfCheckResult> again =
           flash_attention_results(shape, earlier, layout.data(), bos, stream, " (flash-split)");
-      CUDA_CHECK(cudaDeviceSynchronize());
+      settle(again);
       for (const SelfCheckResult& r : again) outcome.lines.push_back(r.line());
       if (!vote(again, path.member).second) {
-        outcome.paths = earlier;
+        outcome.paths.fused_attention_backward = earlier.fused_attention_backward;
+        outcome.paths.warp_specialised_attention_forward = earlier.warp_specialised_attention_forward;
+        outcome.paths.qkv_backward_in_attention = earlier.qkv_backward_in_attention;
         outcome.lines.push_back("self-check fallback: flash attention (its fused backward or warp-specialised "
                                 "forward) failed " + where + "; the two-kernel flash path passed, and this run uses it "
                                 "(--attention flash-split): slower, and not a record run");
@@ -2745,18 +2783,15 @@ class TrainingRun {
       }
     counters_.step = step;
     last_checkpoint_ = point.path;
+    const std::string kernels = kernel_flag_differences(point.checkpoint, flags_of_paths(h_, paths_));
     say("resumed from " + point.path + " at step " + std::to_string(step) +
         (point.differences.empty() ? "" : ", with other settings: " + point.differences) +
-        (point.kernel_differences.empty() ? "" : "; its steps before ran other kernels: " + point.kernel_differences));
+        (kernels.empty() ? "" : "; its steps before ran other kernels: " + kernels));
   }
 
-  // The training settings a checkpoint records: the head the run really trains (a self-check
+  // The training settings a checkpoint records, of the paths the run really trains (a self-check
   // fallback to the bf16 head is another mathematics, so a resume must ask for it by its flag).
-  std::string run_flags() const {
-    Hyperparameters trained = h_;
-    trained.bf16_head = !paths_.fp8_head;
-    return resume_flags(trained, comm_->world_size());
-  }
+  std::string run_flags() const { return resume_flags(flags_of_paths(h_, paths_), comm_->world_size()); }
 
   // Groups train apart between syncs: their ranks agree within the group, and all of them after
   // the final DiLoCo sync. The validation loss is the mean over every rank's share of the
@@ -2785,7 +2820,8 @@ class TrainingRun {
   // parameters, is finite: until then a NaN stop names the one before.
   void checkpoint(int step) {
     Checkpoint c = capture_state(state_, step);
-    const std::string flags = run_flags(), kernels = kernel_flags(h_), layout = parameter_layout(model_.params.list);
+    const std::string flags = run_flags(), kernels = kernel_flags(flags_of_paths(h_, paths_)),
+                      layout = parameter_layout(model_.params.list);
     c.blobs.emplace_back(kRunFlagsBlob, std::vector<uint8_t>(flags.begin(), flags.end()));
     c.blobs.emplace_back(kKernelFlagsBlob, std::vector<uint8_t>(kernels.begin(), kernels.end()));
     c.blobs.emplace_back(kParameterLayoutBlob, std::vector<uint8_t>(layout.begin(), layout.end()));

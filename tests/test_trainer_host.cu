@@ -460,32 +460,30 @@ TEST_CASE("--resume reads and verifies this rank's newest checkpoint (before the
         point->path == checkpoint_path(h.checkpoint_dir, 7));
   // The kernel flags a resume may change, named in its log line (records.py pools no such run); an
   // older trainer's checkpoint does not record them.
-  CHECK(point->kernel_differences == "not recorded (a checkpoint of an older trainer)");
+  CHECK(kernel_flag_differences(point->checkpoint, h) == "not recorded (a checkpoint of an older trainer)");
   const std::string kernels = kernel_flags(h);
   CHECK(std::count(kernels.begin(), kernels.end(), '\n') == 9);  // every name of kernel_flags is a flag
   Checkpoint with_kernels = c;
   with_kernels.blobs.push_back({kKernelFlagsBlob, std::vector<uint8_t>(kernels.begin(), kernels.end())});
-  write_checkpoint(h.checkpoint_dir, with_kernels);
-  CHECK(checkpoint_to_resume(h, alone, tiny)->kernel_differences.empty());
+  CHECK(kernel_flag_differences(with_kernels, h).empty());
   Hyperparameters other_kernels = h;
   other_kernels.matmul_algorithms = "qkv.dx=1";
   other_kernels.attention = "flash-split";
-  CHECK(checkpoint_to_resume(other_kernels, alone, tiny)->kernel_differences ==
+  CHECK(kernel_flag_differences(with_kernels, other_kernels) ==
         "--attention was flash, is flash-split; --matmul-algorithms was first, is qkv.dx=1");
-  write_checkpoint(h.checkpoint_dir, c);
-  const std::string rank1 = none + "/rank1";  // W > 1: each rank's own folder
-  CHECK_THROWS_WITH(checkpoint_to_resume(h, second_of_two, tiny), rank1.c_str());
-  // Another model's checkpoint (the record's here), a short blob, a missing one: refused, named.
-  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone), "step_000007.ckpt: its parameters are laid out otherwise than this model's");
-  Checkpoint damaged = c;
-  damaged.blobs[1].second.pop_back();
-  write_checkpoint(h.checkpoint_dir, damaged);
-  const std::string short_masters = "'masters' holds " + std::to_string(masters * sizeof(float) - 1) +
-                                    " bytes, this model needs " + std::to_string(masters * sizeof(float));
-  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone, tiny), "--resume: ", short_masters.c_str());
-  damaged.blobs.erase(damaged.blobs.begin());
-  write_checkpoint(h.checkpoint_dir, damaged);
-  CHECK_THROWS_WITH(checkpoint_to_resume(h, alone, tiny), "step_000007.ckpt: no 'embeddings' in the checkpoint");
+  // A checkpoint records the kernels its run used: a self-check fallback's, not the flags' (flags_of_paths
+  // inverts paths_of), so that a resume on the same flags that takes the fast kernels names the change.
+  for (const char* attention : {"flash", "flash-ws", "flash-split", "reference"}) {
+    Hyperparameters asked = h;
+    asked.attention = attention;
+    CHECK(flags_of_paths(h, paths_of(asked)).attention == attention);
+  }
+  KernelPaths fell_back = paths_of(h);
+  fell_back.fused_attention_backward = false;
+  fell_back.fp8_head = false;
+  const Hyperparameters ran = flags_of_paths(h, fell_back);
+  CHECK(ran.attention == "flash-split" && ran.bf16_head && ran.fp8_logits_algorithm == 0);
+  CHECK(kernel_flags(flags_of_paths(h, paths_of(h))) == kernels);  // the flags' own paths: the flags
   write_checkpoint(h.checkpoint_dir, c);
   h.seq_len = 16384;
   CHECK_THROWS_WITH(checkpoint_to_resume(h, alone, tiny),

@@ -116,8 +116,11 @@ say() {
 # Packs the logs' folder into OUT (one file, however many runs and phases), replacing the last pack.
 return_logs() {
   [[ -n ${OUT:-} ]] || return 0
-  tar -czf "$OUT/logs.tar.gz.part" -C "$(dirname "$logs")" "$(basename "$logs")" &&
+  if tar -czf "$OUT/logs.tar.gz.part" -C "$(dirname "$logs")" "$(basename "$logs")"; then
     mv "$OUT/logs.tar.gz.part" "$OUT/$(basename "$logs").tar.gz"
+  else
+    rm -f "$OUT/logs.tar.gz.part"  # it would take one of the files that come back
+  fi
 }
 
 # capture <file> <command...>: runs the command, its output into the file and the phase's log.
@@ -455,6 +458,7 @@ phase_anchor() {
       if [[ $variant == *@bench* ]]; then
         if ! fastest=$(bench_matmul_algorithms); then
           say "| ours $variant, M = $M | $N | 0 | not run: no bench value for @bench (no bench phase on this machine, nor its line in the report) | |"
+          failed=1
           continue
         fi
         variant=${variant//@bench/$fastest}

@@ -111,7 +111,8 @@ recipe_runs() {
     # One file back however many runs (the device tool brings back 8 at most), after every run: a
     # call cut short still brings back the runs it finished.
     if [[ -n ${OUT:-} ]] && ((${#new[@]})); then
-      tar -czf "$OUT/$name.tar.gz.part" "${new[@]}" && mv "$OUT/$name.tar.gz.part" "$OUT/$name.tar.gz"
+      tar -czf "$OUT/$name.tar.gz.part" "${new[@]}" && mv "$OUT/$name.tar.gz.part" "$OUT/$name.tar.gz" ||
+        rm -f "$OUT/$name.tar.gz.part"
     fi
   done
   ((${#new[@]})) || { echo "no run wrote a log" >&2; return 1; }

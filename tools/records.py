@@ -46,7 +46,8 @@ TRAIN_LINE = re.compile(rf"step:(\d+)/(\d+) train_time:(\d+)ms step_avg:{NUMBER}
 FALLBACK_LINE = "self-check fallback: "
 # The trainer's line when --resume continued a run: what differed from the run that wrote the
 # checkpoint follows the step (", with other settings: ..." and "; its steps before ran other kernels: ...").
-RESUMED_LINE = re.compile(r"resumed from (.+) at step (\d+)(.*)")
+RESUMED_LINE = re.compile(r"resumed from (.+?\.ckpt) at step (\d+)"
+                          r"((?:, with other settings: .*?)?(?:; its steps before ran other kernels: .*)?)")
 
 
 SETTING_LINE = re.compile(r"setting: ([a-z0-9-]+)=(.*)")
