@@ -44,7 +44,7 @@ class CorpusRunTest(unittest.TestCase):
         self.root = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.root)
         self.repo = os.path.join(self.root, "repo")
-        for tool in ("corpus_run.sh", "records.py", "stage_build.sh"):
+        for tool in ("corpus_run.sh", "records.py", "stage_build.sh", "build_frozen.sh"):
             os.makedirs(os.path.join(self.repo, "tools"), exist_ok=True)
             shutil.copy(os.path.join(ROOT, "tools", tool), os.path.join(self.repo, "tools", tool))
         corpus = os.path.join(self.repo, ".carry", "corpus")

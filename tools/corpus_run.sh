@@ -129,13 +129,11 @@ full() {
 record_build() { echo ".carry/$(basename "$1")/train_gpt"; }
 
 stage_record() {
-  local folder=${1%/} command
+  local folder=${1%/}
   [[ -f $folder/train_gpt.cu ]] || { echo "error: $folder/train_gpt.cu: no such record (records/<date>_<name>)" >&2; return 2; }
-  command=$(sed -n '3s|^//   ||p' "$folder/train_gpt.cu")
-  [[ $command == "nvcc "* ]] || { echo "error: $folder/train_gpt.cu: line 3 is not its build command" >&2; return 1; }
+  tools/build_frozen.sh "$folder/train_gpt.cu" "$work/frozen" || return 1
   mkdir -p "$(dirname "$(record_build "$folder")")"
-  cp "$folder/train_gpt.cu" "$work/train_gpt.cu"
-  (cd "$work" && bash -c "$command") && mv "$work/train_gpt" "$(record_build "$folder")"
+  mv "$work/frozen/train_gpt" "$(record_build "$folder")"
   echo "$(record_build "$folder"): $folder's frozen file, built with its documented command"
   tools/stage_build.sh size
 }

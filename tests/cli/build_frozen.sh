@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A frozen single-file trainer builds alone with exactly the command its third line documents (as a
-# new user would run it, in a folder holding only the file) and answers --help as the trainer does;
+# new user would run it, in a folder holding only the file: tools/build_frozen.sh) and answers --help
+# as the trainer does;
 # TRAINER "-" (a committed record: the trainer of its day, whose flags today's need not share) only
 # that it answers --help with its usage.
 # Usage: build_frozen.sh FROZEN_FILE TRAINER|- WORK_DIR [NVCC_DIR] (NVCC_DIR: put first on PATH, where
@@ -8,11 +9,7 @@
 set -euo pipefail
 frozen=$1 trainer=$2 work=$3
 [[ -n ${4:-} ]] && PATH="$4:$PATH"
-command=$(sed -n '3s|^//   ||p' "$frozen")
-[[ $command == "nvcc "* ]] || { echo "$frozen: line 3 is not its build command: $(sed -n 3p "$frozen")"; exit 1; }
-rm -rf "$work" && mkdir -p "$work" && cp "$frozen" "$work/train_gpt.cu"
-echo "in $work: $command"
-(cd "$work" && bash -c "$command")
+bash "$(dirname "$0")/../../tools/build_frozen.sh" "$frozen" "$work"
 # The CUDA libraries the command links are found at run time as the documented build finds them
 # at link time: in the toolkit's lib64 when the system's loader path lacks it.
 toolkit_lib=$(dirname "$(dirname "$(command -v nvcc)")")/lib64
