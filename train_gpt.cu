@@ -2579,17 +2579,25 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
   };
   const std::vector<SelfCheckResult> results = run_self_check(shape, outcome.paths, layout.data(), bos, matmul, stream);
   settle(results);
+  size_t checks = results.size(), second_round = 0;
   int failed_checks = 0;
   for (const SelfCheckResult& r : results) {
     outcome.lines.push_back(r.line());
     failed_checks += !r.passed();
   }
   outcome.failed_here = failed_checks > 0;
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  char summary[128];
-  std::snprintf(summary, sizeof summary, "self-check: %zu checks, %d failed, %.1f s", results.size(), failed_checks,
-                seconds);
-  outcome.lines.push_back(summary);
+  // The summary stays after the first round's lines and counts the fallback's second round too
+  // (its lines follow the summary), so that it is the whole self-check's.
+  const size_t summary_line = outcome.lines.size();
+  outcome.lines.emplace_back();
+  auto summarise = [&] {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    char summary[160];
+    std::snprintf(summary, sizeof summary, "self-check: %zu checks, %d failed, %.1f s", checks, failed_checks, seconds);
+    outcome.lines[summary_line] =
+        summary + (second_round ? " (" + std::to_string(second_round) + " of them after a fallback, below)" : "");
+  };
+  summarise();
   // whether any check of `path` in `checks` failed on this rank, and on any rank
   auto vote = [comm](const std::vector<SelfCheckResult>& checks, bool KernelPaths::*path) {
     bool here = false;
@@ -2608,7 +2616,13 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
       const std::vector<SelfCheckResult> again =
           flash_attention_results(shape, earlier, layout.data(), bos, stream, " (flash-split)");
       settle(again);
-      for (const SelfCheckResult& r : again) outcome.lines.push_back(r.line());
+      for (const SelfCheckResult& r : again) {
+        outcome.lines.push_back(r.line());
+        failed_checks += !r.passed();
+      }
+      checks += again.size();
+      second_round += again.size();
+      summarise();
       if (!vote(again, path.member).second) {
         outcome.paths.fused_attention_backward = earlier.fused_attention_backward;
         outcome.paths.warp_specialised_attention_forward = earlier.warp_specialised_attention_forward;

@@ -158,6 +158,15 @@ TEST_CASE("wrong newest flash kernels: fallback takes the two-kernel flash path 
       split_checks += line.find("self-check flash attention (flash-split), window ") == 0 &&
                       line.compare(line.size() - 2, 2, "ok") == 0;
     CHECK(split_checks == 3);
+    // the summary counts both rounds: every result line, the second round's named
+    int result_lines = 0;
+    std::string summary;
+    for (const std::string& line : outcome.lines) {
+      if (line.find("self-check: ") == 0) summary = line;
+      else if (line.find("self-check fallback") != 0) ++result_lines;
+    }
+    CHECK(summary.find("self-check: " + std::to_string(result_lines) + " checks, ") == 0);
+    CHECK(summary.find(" (3 of them after a fallback, below)") != std::string::npos);
     Hyperparameters strict = h;  // strict stops on the first failure, before any fallback
     strict.self_check = "strict";
     CHECK_THROWS_WITH(outcome.stop_if_strict(strict), "self-check failed: flash attention");
