@@ -69,6 +69,45 @@ for arg in "$@"; do
   esac
 done
 
+launched=${RANK:-}${OMPI_COMM_WORLD_RANK:-}${SLURM_PROCID:-}  # a launcher started this process: its rank
+# How many processes, checked before the build (a launcher that started this process decided it).
+nproc=1
+if [[ -z $launched ]]; then
+  # The GPUs this process may use: nvidia-smi's, or as many as CUDA_VISIBLE_DEVICES lists of them.
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+    listed=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c . || true)
+    ((listed < gpus)) && gpus=$listed
+  fi
+  share_gpu=false
+  for arg in "${flags[@]}"; do [[ $arg == --ranks-share-gpu ]] && share_gpu=true; done
+  if $share_gpu; then
+    # NPROC ranks on one GPU, on purpose: never where each rank can have its own.
+    if [[ -z ${NPROC:-} ]] || ((10#$NPROC < 2)); then
+      echo "error: --ranks-share-gpu puts NPROC ranks on one GPU: set NPROC=2 or more" >&2
+      exit 2
+    fi
+    if ((gpus != 1)); then
+      echo "error: --ranks-share-gpu puts every rank on one GPU, but this machine shows $gpus (nvidia-smi -L;" \
+           "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-(unset)}): with several, leave the flag out (one process" \
+           "per GPU) or show one (CUDA_VISIBLE_DEVICES=0)" >&2
+      exit 2
+    fi
+    nproc=$((10#$NPROC))
+  elif [[ -n ${NPROC:-} ]]; then
+    nproc=$((10#$NPROC))
+    if ((nproc > 1 && nproc > gpus)); then
+      echo "error: NPROC=$NPROC is more than the $gpus GPU(s) this machine shows (nvidia-smi -L;" \
+           "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-(unset)}): one process per GPU (--ranks-share-gpu" \
+           "runs several on one GPU, to test multi-rank NCCL)" >&2
+      exit 2
+    fi
+  else
+    nproc=$gpus
+    ((nproc >= 1)) || nproc=1  # no GPU seen: one process, which says why it cannot train
+  fi
+fi
+
 trainer=${SPEEDRUN_TRAINER:-./build/train_gpt}  # the launcher's tests: a stand-in; acceptance.sh: a prebuilt one
 if [[ -z ${SPEEDRUN_TRAINER:-} ]]; then
   [[ -f build/CMakeCache.txt ]] || cmake --preset release >/dev/null
@@ -90,41 +129,7 @@ else
 fi
 args=("${data[@]}" "${settings[@]}" "${flags[@]}")
 
-if [[ -n ${RANK:-}${OMPI_COMM_WORLD_RANK:-}${SLURM_PROCID:-} ]]; then exec $trainer "${args[@]}"; fi
-# The GPUs this process may use: nvidia-smi's, or as many as CUDA_VISIBLE_DEVICES lists of them.
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
-  listed=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c . || true)
-  ((listed < gpus)) && gpus=$listed
-fi
-share_gpu=false
-for arg in "${flags[@]}"; do [[ $arg == --ranks-share-gpu ]] && share_gpu=true; done
-if $share_gpu; then
-  # NPROC ranks on one GPU, on purpose: never where each rank can have its own.
-  if [[ -z ${NPROC:-} ]] || ((10#$NPROC < 2)); then
-    echo "error: --ranks-share-gpu puts NPROC ranks on one GPU: set NPROC=2 or more" >&2
-    exit 2
-  fi
-  if ((gpus != 1)); then
-    echo "error: --ranks-share-gpu puts every rank on one GPU, but this machine shows $gpus (nvidia-smi -L;" \
-         "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-(unset)}): with several, leave the flag out (one process" \
-         "per GPU) or show one (CUDA_VISIBLE_DEVICES=0)" >&2
-    exit 2
-  fi
-  nproc=$((10#$NPROC))
-elif [[ -n ${NPROC:-} ]]; then
-  nproc=$((10#$NPROC))
-  if ((nproc > 1 && nproc > gpus)); then
-    echo "error: NPROC=$NPROC is more than the $gpus GPU(s) this machine shows (nvidia-smi -L;" \
-         "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-(unset)}): one process per GPU (--ranks-share-gpu" \
-         "runs several on one GPU, to test multi-rank NCCL)" >&2
-    exit 2
-  fi
-else
-  nproc=$gpus
-  ((nproc >= 1)) || nproc=1  # no GPU seen: one process, which says why it cannot train
-fi
-if ((nproc == 1)); then exec $trainer "${args[@]}"; fi
+if ((nproc == 1)); then exec $trainer "${args[@]}"; fi  # one process, or a rank its launcher started
 
 export WORLD_SIZE=$nproc LOCAL_WORLD_SIZE=$nproc MASTER_ADDR=127.0.0.1
 export MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}

@@ -296,7 +296,7 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        non_negative(&h.timeline_step), "non-negative"},
       {"profile-step", &h.profile_step,
        "bracket that step, synchronised, with cudaProfilerStart/Stop for a profiler that honours them "
-       "(tools/kernel_profile.so; 0: none)",
+       "(build/libkernel_profile.so; 0: none)",
        non_negative(&h.profile_step), "non-negative"},
       {"stall-timeout", &h.stall_timeout,
        "seconds without progress (a hung collective) after which a rank exits 75 (0: never)",
@@ -363,7 +363,9 @@ inline std::string flag_value_text(const Flag& f, bool exact = false) {
 inline std::string usage(const std::string& program) {
   Hyperparameters defaults;
   std::ostringstream out;
-  out << "usage: " << program << " [--flag value | --flag=value]...\n\nflags (default in brackets):\n";
+  out << "usage: " << program << " [--flag value | --flag=value]...\n(a flag given twice: the last value counts, "
+      << "so that flags after run.sh's own override them; --matmul-algorithms is refused twice)\n\n"
+      << "flags (default in brackets):\n";
   for (const Flag& f : flag_table(defaults))  // a stream, not a fixed buffer: some helps are long
     out << "  --" << std::left << std::setw(22) << f.name << " " << f.help << " [" << flag_value_text(f) << "]\n";
   out << "  --help                   this text\n\nexit status:\n";
@@ -425,11 +427,17 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
   };
   std::vector<std::string> given;  // the flags on the command line, in order
   std::string after_value_of;  // the flag whose value argv[i - 1] was
+  std::string after_switch;    // the switch (a flag without a value) argv[i - 1] was
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") return false;
-    if (arg.rfind("--", 0) != 0) throw FlagError(unexpected_argument(arg, after_value_of));
+    if (arg.rfind("--", 0) != 0) {
+      if (!after_switch.empty())  // `--resume yes`
+        throw FlagError("unexpected argument '" + arg + "': --" + after_switch + " takes no value (give it alone)");
+      throw FlagError(unexpected_argument(arg, after_value_of));
+    }
     after_value_of.clear();
+    after_switch.clear();
     std::string name = arg.substr(2), value;
     bool inline_value = false;
     if (size_t eq = name.find('='); eq != std::string::npos) {
@@ -443,6 +451,7 @@ inline bool parse_flags(int argc, char** argv, Hyperparameters& h) {
     if (std::holds_alternative<bool*>(flag->field)) {
       if (inline_value) throw FlagError("--" + name + " takes no value");
       *std::get<bool*>(flag->field) = true;
+      after_switch = name;
       continue;
     }
     if (!inline_value) {

@@ -13,9 +13,11 @@ import os
 import struct
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main"
+MAX_TRAIN_SHARDS = 103  # the dataset's train shards: fineweb_train_000001.bin .. 000103, 100M tokens each
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024
 CHUNK = 1 << 20
 
@@ -54,6 +56,10 @@ def download(url, dest):
         if e.code != 416:  # 416: the range starts at the end, so the .part already holds everything
             raise ShardError(f"{url}: HTTP {e.code} {e.reason}") from e
     except urllib.error.URLError as e:
+        if not os.path.exists(part):  # nothing came: no server reached (offline, a wrong host)
+            host = urllib.parse.urlsplit(url).netloc
+            raise ShardError(f"{url}: cannot reach {host} ({e.reason}): offline? --base-url names a mirror "
+                             "that serves the same file names") from e
         raise ShardError(f"{url}: {e.reason}; rerun to resume {part}") from e
     except (ConnectionError, TimeoutError, http.client.HTTPException) as e:
         raise ShardError(f"{url}: {e!r} mid-transfer; rerun to resume {part}") from e
@@ -96,7 +102,19 @@ def shard_names(num_train):
 
 
 def fetch_all(num_train, dest_dir, base_url):
+    if not 0 <= num_train <= MAX_TRAIN_SHARDS:
+        raise ShardError(f"{num_train} train shards: the dataset has 0 to {MAX_TRAIN_SHARDS} (the record reads 7)")
+    created = not os.path.isdir(dest_dir)
     os.makedirs(dest_dir, exist_ok=True)
+    try:
+        fetch_into(num_train, dest_dir, base_url)
+    except ShardError:
+        if created and not os.listdir(dest_dir):  # a first download that got nothing leaves no empty folder
+            os.rmdir(dest_dir)
+        raise
+
+
+def fetch_into(num_train, dest_dir, base_url):
     for name in shard_names(num_train):
         path = os.path.join(dest_dir, name)
         if os.path.exists(path):
@@ -113,8 +131,10 @@ def fetch_all(num_train, dest_dir, base_url):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("num_train", nargs="?", type=int, default=8, help="train shards (the record reads 7)")
-    parser.add_argument("--dest", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb10B"))
-    parser.add_argument("--base-url", default=BASE_URL)
+    parser.add_argument("--dest", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb10B"),
+                        help="folder of the shards (default: data/fineweb10B, where run.sh looks)")
+    parser.add_argument("--base-url", default=BASE_URL,
+                        help="where the shards are: <base-url>/<shard name> (default: the Hugging Face dataset)")
     args = parser.parse_args(argv)
     try:
         fetch_all(args.num_train, args.dest, args.base_url)

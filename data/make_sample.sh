@@ -5,6 +5,12 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 shared=${SHARED_DIR:-$(dirname "$repo")/shared}
+if [[ ! -x $shared/data/unpack.sh ]]; then
+  echo "error: $shared/data/unpack.sh not found: this script rebuilds data/sample/ from the offline corpus" \
+    "of the development folder beside the checkout (SHARED_DIR=<folder> names another); data/sample/ is" \
+    "committed, so a clone needs it only to change the sample" >&2
+  exit 1
+fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$shared/data/unpack.sh" "$work" >/dev/null

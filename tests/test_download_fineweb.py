@@ -140,6 +140,26 @@ class DownloadTest(unittest.TestCase):
             dl.fetch_all(0, self.dir.name, base)
         self.assertIn(f"{base}/{dl.shard_names(0)[0]}: HTTP 404", str(e.exception))
 
+    def test_no_server_is_named_without_a_resume_and_leaves_no_folder(self):
+        import socket
+        with socket.socket() as closed:  # a port nothing listens on: the connection is refused
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+        dest = os.path.join(self.dir.name, "new")
+        with self.assertRaises(dl.ShardError) as e:
+            dl.fetch_all(1, dest, f"http://127.0.0.1:{port}")
+        self.assertIn(f"cannot reach 127.0.0.1:{port} (", str(e.exception))
+        self.assertIn("offline? --base-url names a mirror", str(e.exception))
+        self.assertNotIn("resume", str(e.exception))
+        self.assertFalse(os.path.exists(dest))
+
+    def test_refuses_a_shard_count_the_dataset_does_not_have(self):
+        for n in (-1, dl.MAX_TRAIN_SHARDS + 1):
+            with self.assertRaises(dl.ShardError) as e:
+                dl.fetch_all(n, os.path.join(self.dir.name, "x"), "http://127.0.0.1:9")
+            self.assertIn(f"{n} train shards: the dataset has 0 to 103", str(e.exception))
+        self.assertFalse(os.path.exists(os.path.join(self.dir.name, "x")))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -357,9 +357,30 @@ class Settings(TempDir):
         self.assertEqual(rc, 0)
         self.assertIn("| t (mean < 3.28) |", out)
         self.assertNotIn("note:", out)
-        rc, out, _ = self.command("stats", REFERENCE)
+        rc, out, _ = self.command("stats", self.write("e.txt", step_log(10, 3.0, 900)),
+                                  self.write("f.txt", step_log(10, 3.1, 900)))
         self.assertEqual(rc, 0)
         self.assertIn("note: target 3.28, FineWeb's, assumed: not every log says what its run trained on", out)
+
+    def test_a_record_folder_gives_its_own_target(self):
+        # a record's folder: its README's target, not FineWeb's assumed (its logs need not say their data)
+        a = self.write("records/2026-01-01_a/README.md", "# a\n\nTarget val loss: 3.2\n")
+        self.write("records/2026-01-01_a/r0.txt", step_log(10, 3.0, 900))
+        self.write("records/2026-01-01_a/r1.txt", step_log(10, 3.1, 900))
+        folder = os.path.dirname(a)
+        rc, out, _ = self.command("stats", folder)
+        self.assertEqual(rc, 0)
+        self.assertIn(f"note: target 3.2, from {folder}/README.md\n", out)
+        self.assertIn("| t (mean < 3.2) |", out)
+        rc, out, _ = self.command("stats", folder, "--target", "3.5")  # --target still decides
+        self.assertIn("| t (mean < 3.5) |", out)
+        self.assertNotIn("from " + folder, out)
+        b = self.write("records/2026-01-02_b/README.md", "# b\n\nTarget val loss: 3.28\n")
+        self.write("records/2026-01-02_b/r0.txt", step_log(10, 3.2, 900))
+        rc, _, err = self.command("stats", folder, "--against", os.path.dirname(b))
+        self.assertEqual(rc, 1)
+        self.assertIn(f"the record folders name different targets ({folder}: 3.2, {os.path.dirname(b)}: 3.28): "
+                      "give one with --target", err)
 
     def test_against_names_what_the_sets_differ_in(self):
         a = self.write("a.txt", settings_log(3.0, 900))

@@ -76,6 +76,8 @@ TEST_CASE("bad flags are errors that name the flag") {
   CHECK_THROWS_WITH(parse_only({"--adam-beta1=1.5"}), "--adam-beta1 = 1.5: must be in (0, 1)");
   CHECK_THROWS_WITH(parse_only({"--seed", "-1"}), "--seed: '-1' is not a valid non-negative integer");
   CHECK_THROWS_WITH(parse_only({"--resume=yes"}), "--resume takes no value");
+  CHECK_THROWS_WITH(parse_only({"--resume", "yes"}), "unexpected argument 'yes': --resume takes no value (give it alone)");
+  CHECK_THROWS_WITH(parse_only({"--resume", "--seed", "1", "yes"}), "unexpected argument 'yes' (flags start with --)");
   CHECK_THROWS_WITH(parse_only({"860"}), "unexpected argument '860'");
   CHECK_THROWS_WITH(parse_only({"--val-tokens", "1000000"}), "is not a multiple of --val-seq-len");
   CHECK_THROWS_WITH(parse_only({"--num-iterations", "99999999999"}),

@@ -27,7 +27,7 @@
 #               trainer and bench_kernels in .carry/baseline.tar.xz) runs too, after the variants, and a
 #               table gives ours / baseline: the step before and after, on one card in one call
 #   profile     every kernel's time in step 5 of 6 at M = 8, the trainer's and the record code's
-#               (tools/kernel_profile.so through --profile-step; tools/profile_summary.py), and where
+#               (build/libkernel_profile.so through --profile-step; tools/profile_summary.py), and where
 #               ncu reads hardware counters, those of the attention and cross-entropy kernels
 #   nccl        the distributed oracle over real NCCL ranks, one process per GPU (with one GPU, W
 #               ranks share it: --ranks-share-gpu, NCCL over loopback sockets): the trainer at
@@ -529,7 +529,7 @@ phase_profile() {
   record=$(anchor_record) || return 1
   local who dir status times failed=0 library=$PWD/build/libkernel_profile.so
   say "" "Step 5 of 6 at M = 8 on the corpus, inside cudaProfilerStart/Stop (\`--profile-step 5\`), every kernel" \
-    "timed by CUPTI (tools/kernel_profile.so, tools/profile_summary.py): the trainer, then the record's code."
+    "timed by CUPTI (build/libkernel_profile.so, tools/profile_summary.py): the trainer, then the record's code."
   for who in ours record; do
     dir=$logs/profile/$who
     mkdir -p "$dir"

@@ -20,14 +20,20 @@ Usage:
 Prints one table row per parameter, then a last line
     worst relative error <x> (<parameter>, <candidate>), bound <b>: ok | FAILED
 Exit status: 0 within the bound, 1 beyond it, 2 a file that is not a checkpoint or checkpoints
-that do not match (another step or another parameter layout).
+that do not match (another step or another parameter layout), 3 no numpy in this interpreter.
 """
 import argparse
 import math
 import struct
 import sys
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:
+    print(f"error: tools/compare_checkpoints.py needs numpy, which {sys.executable} lacks: install it with "
+          "`apt-get install python3-numpy` (Debian, Ubuntu: for /usr/bin/python3) or `pip install numpy`",
+          file=sys.stderr)
+    sys.exit(3)
 
 MAGIC = b"SPDRCKP2"
 LAYOUT_BLOB = "parameter layout"

@@ -19,7 +19,7 @@ patch never silently does nothing. The patches:
     train_time is the GPU's, as the trainer's is (it synchronises on the loss every step);
   - --no-validation: no validation at the end (its eval graph compiles for a minute; speed runs);
   - --profile-step N: step N between cudaProfilerStart/Stop, the GPU idle at both ends, as the
-    trainer's --profile-step (tools/kernel_profile.so).
+    trainer's --profile-step (build/libkernel_profile.so).
 Its log lines are the trainer's format (step:S/N ... train_time:...ms step_avg:...ms), into
 --log-dir/<uuid>.txt. torch, CUDA and triton are checked first: exit 4 names what is missing;
 exit 3: a data glob that matches nothing, a record file that is missing or not the expected text.

@@ -396,6 +396,27 @@ def default_target(runs):
     return FINEWEB_TARGET, []
 
 
+def stats_target(given, paths, runs):
+    """--target where given; else the target of the record folders among `paths` (their README's
+    'Target val loss' line: all the same, or refused); else default_target's."""
+    if given is not None:
+        return given, []
+    folders = {}
+    for path in paths:
+        readme = os.path.join(path, "README.md")
+        if os.path.isdir(path) and os.path.isfile(readme):
+            with open(readme, encoding="utf-8") as f:
+                if TARGET_LINE.search(f.read()):
+                    folders[path] = record_target(path)
+    if len(set(folders.values())) > 1:
+        raise RecordError("the record folders name different targets (" +
+                          ", ".join(f"{path}: {t:g}" for path, t in folders.items()) + "): give one with --target")
+    if folders:
+        path, target = next(iter(folders.items()))
+        return target, [f"target {target:g}, from {os.path.join(path, 'README.md')}"]
+    return default_target(runs)
+
+
 def aligned_validation(ours, record):
     """(step, our val loss, the record's, our train ms, the record's) at each validation step of both."""
     theirs = {step: (loss, ms) for step, loss, ms in record.val}
@@ -938,7 +959,7 @@ def run_command(args):
         runs = finished_runs(args.logs)
         against = finished_runs(args.against) if args.against else None
         refuse_duplicates(runs + (against or []))
-        target, notes = (args.target, []) if args.target is not None else default_target(runs + (against or []))
+        target, notes = stats_target(args.target, args.logs + (args.against or []), runs + (against or []))
         notes += comparability_notes(runs) + (comparability_notes(against) if against else [])
         notes += set_differences(runs, against) if against else []
         sets = [(f"A: {set_label(args.logs)}", runs), (f"B: {set_label(args.against)}", against)] if against \
@@ -963,6 +984,8 @@ def run_command(args):
         changed = update_tables(check=args.check)
         for path in changed:
             print(f"{path}: {'out of date' if args.check else 'updated'}")
+        if not changed:
+            print("every record table is up to date")
         return 1 if args.check and changed else 0
     return 0
 

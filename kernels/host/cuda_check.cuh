@@ -65,17 +65,20 @@ struct NoUsableGpu : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Why cudaGetDeviceCount found no GPU, in plain words, with CUDA's own text after: without a
-// driver CUDA says "CUDA driver version is insufficient for CUDA runtime version".
+// Why cudaGetDeviceCount found no GPU, in plain words, with CUDA's own text after (but where no
+// driver is installed, for which CUDA says "CUDA driver version is insufficient for CUDA runtime
+// version").
 inline std::string no_gpu_reason(cudaError_t err) {
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);  // 0 when no driver is installed
   cudaRuntimeGetVersion(&runtime);
   auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
   const std::string cuda_says = err == cudaSuccess ? "" : std::string(" (CUDA: ") + cudaGetErrorString(err) + ")";
+  // (CUDA's own text is left out here: it blames the driver's version where there is no driver)
   if (driver == 0)
     return "no NVIDIA driver found, so no GPU can be used here: the trainer needs an NVIDIA GPU (H100 or H200) and "
-           "its driver" + cuda_says;
+           "its driver; without one, `ctest --test-dir build -L emulated` runs the kernels' tests on the CPU "
+           "emulator (README: the GPU tests without a GPU)";
   if (err == cudaErrorInsufficientDriver)
     return "the NVIDIA driver (CUDA " + version(driver) + ") is older than this build's CUDA runtime (" +
            version(runtime) + "): update the driver" + cuda_says;

@@ -7,6 +7,7 @@
 #                                 (status 2), nothing started
 #   refuses_nproc_above_gpus      NPROC above the GPUs nvidia-smi lists (CUDA_VISIBLE_DEVICES
 #                                 counted; none: NPROC 1 only) is refused (status 2), nothing started
+#                                 and nothing built
 #   ranks_share_gpu               --ranks-share-gpu starts NPROC ranks on a machine showing one GPU,
 #                                 and is refused with several GPUs or fewer than 2 ranks
 #   help_without_building         ./run.sh --help prints its own usage, then the trainer's flags when
@@ -78,6 +79,14 @@ refuses_nproc_above_gpus() {
   expect 2 "^error: NPROC=9999 is more than the 0 GPU(s) this machine shows"
   launch FAKE_GPUS=2 NPROC=2 RUN_SECONDS=0 ./run.sh
   expect 0 "rank 0 of 2 (local 0 of 2)"
+  # refused before the build: a stand-in cmake says so if it is called
+  stand_in=$(mktemp -d)
+  printf '#!/usr/bin/env bash\necho "cmake called: $*"\nexit 9\n' >"$stand_in/cmake"
+  chmod +x "$stand_in/cmake"
+  launch PATH="$stand_in:$repo/tests/launcher:$PATH" SPEEDRUN_TRAINER= FAKE_GPUS=2 NPROC=3 ./run.sh
+  rm -rf "$stand_in"
+  expect 2 "^error: NPROC=3 is more than the 2 GPU(s)"
+  grep -q "cmake called" <<<"$out" && fail "NPROC=3 was checked only after the build"
 }
 
 ranks_share_gpu() {
