@@ -69,7 +69,16 @@ for arg in "$@"; do
   esac
 done
 
-launched=${RANK:-}${OMPI_COMM_WORLD_RANK:-}${SLURM_PROCID:-}  # a launcher started this process: its rank
+# A launcher started this process (its rank): torchrun, mpirun, or srun with several tasks. Slurm
+# sets SLURM_PROCID=0 in an sbatch script itself and in a one-task step (srun --pty bash) too: there
+# run.sh is the launcher, and the trainer must not take Slurm's task count for the world size.
+slurm_tasks=${SLURM_STEP_NUM_TASKS:-1}
+launched=${RANK:-}${OMPI_COMM_WORLD_RANK:-}
+if [[ -n ${SLURM_STEP_ID:-} && $slurm_tasks =~ ^[0-9]+$ ]] && ((10#$slurm_tasks > 1)); then
+  launched+=${SLURM_PROCID:-}
+elif [[ -z $launched && -n ${SLURM_PROCID:-} ]]; then
+  unset SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_NTASKS_PER_NODE
+fi
 # How many processes, checked before the build (a launcher that started this process decided it).
 nproc=1
 if [[ -z $launched ]]; then
@@ -110,8 +119,13 @@ fi
 
 trainer=${SPEEDRUN_TRAINER:-./build/train_gpt}  # the launcher's tests: a stand-in; acceptance.sh: a prebuilt one
 if [[ -z ${SPEEDRUN_TRAINER:-} ]]; then
+  # one build at a time: a node's ranks, each started by a launcher, would build into build/ at once
+  mkdir -p build
+  exec 9>build/.run_sh_build.lock
+  if command -v flock >/dev/null; then flock 9; fi
   [[ -f build/CMakeCache.txt ]] || cmake --preset release >/dev/null
   cmake --build --preset release --target train_gpt
+  exec 9>&-
 fi
 
 settings=() data=()

@@ -749,20 +749,25 @@ inline Checkpoint read_checkpoint(const std::string& path) {
 
 // The checkpoint of the highest step in dir (files named step_<digits>.ckpt), or "" when there is
 // none. Temporary files of an interrupted write and other names are ignored.
-inline std::string newest_checkpoint(const std::string& dir) {
-  std::string newest;
-  long long newest_step = -1;
-  if (!std::filesystem::is_directory(dir)) return newest;
+// The checkpoints in dir, (step, path), the newest first.
+inline std::vector<std::pair<int, std::string>> checkpoints_in(const std::string& dir) {
+  std::vector<std::pair<int, std::string>> found;
+  if (!std::filesystem::is_directory(dir)) return found;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
     const size_t digits = name.size() - std::min(name.size(), sizeof "step_.ckpt" - 1);
     if (digits == 0 || digits > 9 || name.rfind("step_", 0) != 0 || name.compare(5 + digits, 5, ".ckpt") != 0 ||
         !std::all_of(name.begin() + 5, name.begin() + 5 + digits, [](char ch) { return ch >= '0' && ch <= '9'; }))
       continue;
-    const long long step = std::stoll(name.substr(5, digits));
-    if (step > newest_step) newest_step = step, newest = entry.path().string();
+    found.emplace_back(std::stoi(name.substr(5, digits)), entry.path().string());
   }
-  return newest;
+  std::sort(found.begin(), found.end(), std::greater<>());
+  return found;
+}
+
+inline std::string newest_checkpoint(const std::string& dir) {
+  const auto found = checkpoints_in(dir);
+  return found.empty() ? "" : found.front().second;
 }
 
 // "name=value" lines, numbers exact, of the flags `keep` accepts by name.
@@ -2275,11 +2280,12 @@ inline std::string run_settings_report(const Hyperparameters& h, const ProcessGr
   return out.str();
 }
 
-// A folder the run will write into: created, and a file written and removed, now.
+// A folder the run will write into: created, and a file written and removed, now (a file of this
+// process's own: the ranks of a node may probe one folder at once).
 inline void check_writable(const std::string& dir, const std::string& what) {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
-  const std::string probe = dir + "/.write_probe";
+  const std::string probe = dir + "/.write_probe." + std::to_string(::getpid());
   if (error || !std::ofstream(probe) || !std::filesystem::remove(probe, error))
     throw RunFilesError(dir + ": cannot write " + what + " there (" + (error ? error.message() : std::strerror(errno)) +
                         ")");
@@ -2431,16 +2437,14 @@ inline std::string other_world_size(const Hyperparameters& h, const ProcessGroup
   return "";
 }
 
-inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h, const ProcessGroupEnv& g,
-                                                       const GPTConfig& config = GPTConfig()) {
-  if (!h.resume) return std::nullopt;
+// The checkpoint at `path`, read and checked against this run's settings and model.
+inline ResumePoint resume_point_at(const std::string& path, const Hyperparameters& h, int world_size,
+                                   const GPTConfig& config = GPTConfig()) {
   try {
     ResumePoint r;
-    const std::string dir = rank_checkpoint_dir(h, g);
-    r.path = newest_checkpoint(dir);
-    if (r.path.empty()) throw CheckpointError("no checkpoint in " + dir + other_world_size(h, g));
+    r.path = path;
     r.checkpoint = read_checkpoint(r.path);
-    r.differences = settings_differences(h, g.world_size, r.checkpoint, r.path);
+    r.differences = settings_differences(h, world_size, r.checkpoint, r.path);
     if (!r.differences.empty() && !h.resume_other_settings)
       throw CheckpointError(r.path + ": written by a run with other settings: " + r.differences +
                             " (--resume-other-settings resumes anyway)");
@@ -2448,6 +2452,31 @@ inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h,
     return r;
   } catch (const std::exception& e) {  // filesystem errors too
     throw CheckpointError(std::string("--resume: ") + e.what());
+  }
+}
+
+// This rank's newest checkpoint, checked before the GPU is touched (TrainingRun::resume then takes
+// an older one where another rank lacks this one's step).
+inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h, const ProcessGroupEnv& g,
+                                                       const GPTConfig& config = GPTConfig()) {
+  if (!h.resume) return std::nullopt;
+  const std::string dir = rank_checkpoint_dir(h, g);
+  const std::string path = newest_checkpoint(dir);
+  if (path.empty()) throw CheckpointError("--resume: no checkpoint in " + dir + other_world_size(h, g));
+  return resume_point_at(path, h, g.world_size, config);
+}
+
+// The newest step whose checkpoint every rank holds in its folder `dir`, and this rank's file of it
+// ({-1, ""}: none): rank 0's steps, the newest first, each asked of every rank (one round where all
+// agree). A run stopped while its ranks wrote a checkpoint leaves that step on some ranks only.
+inline std::pair<int, std::string> newest_common_checkpoint(DeviceCommunicator& comm, const std::string& dir) {
+  const auto mine = checkpoints_in(dir);
+  for (size_t next = 0;; ++next) {
+    const double own = comm.rank() != 0 ? 0.0 : next < mine.size() ? mine[next].first : -1.0;  // rank 0's
+    const double candidate = comm.all_reduce_sum(own);
+    if (candidate < 0) return {-1, ""};
+    const auto held = std::find_if(mine.begin(), mine.end(), [&](const auto& c) { return c.first == candidate; });
+    if (comm.all_reduce_sum(held != mine.end() ? 1.0 : 0.0) == comm.world_size()) return *held;
   }
 }
 
@@ -2661,6 +2690,16 @@ inline int self_check_alone(Hyperparameters h) {
   return 0;
 }
 
+// The trainer's exit status for an error (kExitStatusMeanings).
+inline ExitStatus exit_status_of(const std::exception& e) {
+  if (dynamic_cast<const FlagError*>(&e)) return kExitBadFlags;
+  if (dynamic_cast<const DataError*>(&e)) return kExitBadData;
+  if (dynamic_cast<const NoUsableGpu*>(&e)) return kExitNoUsableGpu;
+  if (dynamic_cast<const RunFilesError*>(&e)) return kExitRunFiles;
+  if (dynamic_cast<const SelfCheckFailed*>(&e)) return kExitSelfCheckFailed;
+  return kExitRunFailed;
+}
+
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
@@ -2674,6 +2713,33 @@ class TrainingRun {
         val_(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab),
         checksum_(memory_.alloc<unsigned long long>("parameter checksum", 1)),
         state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, g)) {
+    ending_rank_on_error([&] { start(h, g, settings); });
+  }
+
+  TrainingRun(const TrainingRun&) = delete;
+  TrainingRun& operator=(const TrainingRun&) = delete;
+
+  int run(std::optional<ResumePoint> resume_point) {
+    return ending_rank_on_error([&] { return train(std::move(resume_point)); });
+  }
+
+ private:
+  // An error of this rank alone leaves its peers inside a collective. Unwinding could then block,
+  // in NCCL's abort or in a cudaFree (which waits for this GPU's collective kernels), before main
+  // says why. With peers the error is said and the process ends at once (the launcher stops the
+  // others), as a stalled rank's does.
+  template <class F>
+  auto ending_rank_on_error(F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (const std::exception& e) {
+      if (comm_->world_size() > 1) end_rank_now(comm_->rank(), e.what(), exit_status_of(e));
+      throw;
+    }
+  }
+
+  // After the members: every rank's flags and seed, the self-check, rank 0's log.
+  void start(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings) {
     beat("initialisation");
     check_same_flags(h, *comm_);
     // Every rank initialises from rank 0's seed (52 bits: exact through the double all-reduce).
@@ -2714,10 +2780,7 @@ class TrainingRun {
     }
   }
 
-  TrainingRun(const TrainingRun&) = delete;
-  TrainingRun& operator=(const TrainingRun&) = delete;
-
-  int run(std::optional<ResumePoint> resume_point) {
+  int train(std::optional<ResumePoint> resume_point) {
     if (h_.warmup_steps > 0) warm_up(/*restore=*/!resume_point);  // before a resume too
     if (resume_point) resume(std::move(*resume_point));
     char seed_line[64];
@@ -2749,7 +2812,6 @@ class TrainingRun {
     return 0;
   }
 
- private:
   // A data error mid-run (check_data read every shard at the start, but a shard can change or
   // become unreadable since) saves the state first, unless the step's checkpoint is written
   // already or nothing was trained since the start.
@@ -2789,15 +2851,19 @@ class TrainingRun {
     if (initial) restore_state(*initial, "", state_, model_.params);
   }
 
-  // Each rank verified its own checkpoint before the GPU (a rank that could not stopped there, and
-  // its launcher stops the others: run.sh at once, others at the rendezvous's deadline); ranks
-  // whose newest checkpoints are of different steps stop together here.
+  // Each rank verified its own newest checkpoint before the GPU (a rank that could not stopped there,
+  // and its launcher stops the others: run.sh at once, others at the rendezvous's deadline). Where
+  // the ranks' newest are of different steps (a run stopped while writing one), every rank takes
+  // the newest step they all hold.
   void resume(ResumePoint point) {
     beat("resume");
-    const int step = point.checkpoint.step;
-    if (vote_across_ranks(*comm_, step).stop)
-      throw CheckpointError("--resume: the ranks' newest checkpoints are of different steps (rank " +
-                            std::to_string(comm_->rank()) + " has step " + std::to_string(step) + ")");
+    const auto [step, path] = newest_common_checkpoint(*comm_, checkpoint_dir_);
+    const int newest = point.checkpoint.step;
+    if (step < 0)
+      throw CheckpointError("--resume: no step has a checkpoint on every rank (rank " + std::to_string(comm_->rank()) +
+                            "'s newest is step " + std::to_string(newest) + ")");
+    const bool older = comm_->all_reduce_sum(newest != step ? 1.0 : 0.0) > 0;
+    if (newest != step) point = resume_point_at(path, h_, comm_->world_size(), config_);
     restore_state(point.checkpoint, point.path, state_, model_.params);
     if (diloco_) try {
         diloco_->resumed_at(step);
@@ -2808,6 +2874,7 @@ class TrainingRun {
     last_checkpoint_ = point.path;
     const std::string kernels = kernel_flag_differences(point.checkpoint, flags_of_paths(h_, paths_));
     say("resumed from " + point.path + " at step " + std::to_string(step) +
+        (older ? " (the newest step every rank holds: a later one's checkpoints are on some ranks only)" : "") +
         (point.differences.empty() ? "" : ", with other settings: " + point.differences) +
         (kernels.empty() ? "" : "; its steps before ran other kernels: " + kernels));
   }
@@ -2970,10 +3037,6 @@ int run_training(const Hyperparameters& h, const std::string& command) {
 // ------------------------------------------------------------------------------------------------
 #ifndef TRAIN_GPT_NO_MAIN  // tests include this file for its host and device code
 int main(int argc, char** argv) {
-  auto fail = [](const std::exception& e, ExitStatus status) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return int(status);
-  };
   try {
     Hyperparameters h;
     if (!parse_flags(argc, argv, h)) {
@@ -2981,18 +3044,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     return run_training(h, command_line(argc, argv));
-  } catch (const FlagError& e) {
-    return fail(e, kExitBadFlags);
-  } catch (const DataError& e) {
-    return fail(e, kExitBadData);
-  } catch (const NoUsableGpu& e) {
-    return fail(e, kExitNoUsableGpu);
-  } catch (const RunFilesError& e) {
-    return fail(e, kExitRunFiles);
-  } catch (const SelfCheckFailed& e) {
-    return fail(e, kExitSelfCheckFailed);
   } catch (const std::exception& e) {
-    return fail(e, kExitRunFailed);
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return exit_status_of(e);
   }
 }
 #endif

@@ -433,6 +433,9 @@ class Settings(TempDir):
         self.assertEqual(records.parse_log(self.write("k.txt", resumed(kernels))).resumed, (5, kernels[2:]))
         rc, _, _ = self.stats(("a", settings_log(3.0, 900)), ("b", resumed("")))  # the same settings: one run
         self.assertEqual(rc, 0)
+        older = " (the newest step every rank holds: a later one's checkpoints are on some ranks only)"
+        self.assertEqual(records.parse_log(self.write("o.txt", resumed(older))).resumed, (5, ""))
+        self.assertEqual(records.parse_log(self.write("ok.txt", resumed(older + kernels))).resumed, (5, kernels[2:]))
         for rest in (kernels, ", with other settings: --num-iterations was 8, is 10"):
             rc, _, err = self.stats(("a", settings_log(3.0, 900)), ("b", resumed(rest)))
             self.assertEqual(rc, 1)

@@ -159,6 +159,16 @@ TEST_CASE("end_stalled_rank names the rank and the stall, keeps buffered output,
   CHECK(contains(r.output, "step 12/1770 train_time:9000ms"));
 }
 
+TEST_CASE("end_rank_now: a rank's own error said at once, with the trainer's exit status for it") {
+  ChildResult r = run_child([] {
+    std::printf("step 3/10 train_time:300ms");
+    end_rank_now(2, "logs/x: cannot write the checkpoint there", 5);
+  });
+  CHECK(r.exited && r.status == 5);
+  CHECK(contains(r.output, "error: rank 2: logs/x: cannot write the checkpoint there; exiting\n"));
+  CHECK(contains(r.output, "step 3/10 train_time:300ms"));
+}
+
 TEST_CASE("a flush that hangs does not keep the rank alive") {
   ChildResult hangs = run_child([] {
     end_stalled_rank(1, "stalled", [] { std::this_thread::sleep_for(std::chrono::seconds(60)); }, milliseconds(100));

@@ -47,6 +47,7 @@ FALLBACK_LINE = "self-check fallback: "
 # The trainer's line when --resume continued a run: what differed from the run that wrote the
 # checkpoint follows the step (", with other settings: ..." and "; its steps before ran other kernels: ...").
 RESUMED_LINE = re.compile(r"resumed from (.+?\.ckpt) at step (\d+)"
+                          r"(?: \(the newest step every rank holds[^)]*\))?"  # an older step than some rank's newest
                           r"((?:, with other settings: .*?)?(?:; its steps before ran other kernels: .*)?)")
 
 

@@ -109,9 +109,11 @@ inline void flush_all_output() {
 // checkpoint them); the process's end stops its GPU work and closes NCCL's connections anyway.
 // std::_Exit, not exit: the main thread is still inside a collective, and static destructors would
 // wait on it or on CUDA.
-[[noreturn]] inline void end_stalled_rank(int rank, const std::string& message,
-                                          std::function<void()> finish_output = flush_all_output,
-                                          std::chrono::milliseconds flush_deadline = std::chrono::seconds(10)) {
+// end_rank_now does the same with another exit status: a rank's own error while its peers may be
+// inside a collective (the trainer's TrainingRun).
+[[noreturn]] inline void end_rank_now(int rank, const std::string& message, int exit_code,
+                                      std::function<void()> finish_output = flush_all_output,
+                                      std::chrono::milliseconds flush_deadline = std::chrono::seconds(10)) {
   std::fprintf(stderr, "error: rank %d: %s; exiting\n", rank, message.c_str());
   auto done = std::make_shared<std::promise<void>>();
   std::future<void> finished = done->get_future();
@@ -126,5 +128,11 @@ inline void flush_all_output() {
   } catch (const std::system_error& e) {
     std::fprintf(stderr, "error: rank %d: cannot start the thread that flushes the output: %s\n", rank, e.what());
   }
-  std::_Exit(kStalledRankExitCode);
+  std::_Exit(exit_code);
+}
+
+[[noreturn]] inline void end_stalled_rank(int rank, const std::string& message,
+                                          std::function<void()> finish_output = flush_all_output,
+                                          std::chrono::milliseconds flush_deadline = std::chrono::seconds(10)) {
+  end_rank_now(rank, message, kStalledRankExitCode, std::move(finish_output), flush_deadline);
 }

@@ -316,6 +316,33 @@ TEST_CASE("the rank consistency check stops every rank and names the parameter t
   CHECK(message.find("ranks disagree on parameter blocks.3.mlp.c_fc.weight (rank 0 ") == 0);
 }
 
+// --resume after a run stopped while its ranks wrote a checkpoint: the newest step every rank holds,
+// each rank's own file of it (the files' names are all that is read here).
+TEST_CASE("the ranks' newest common checkpoint: the newest step every rank holds, or none") {
+  const std::string root = std::filesystem::temp_directory_path() / ("common_ckpt_" + std::to_string(::getpid()));
+  auto common = [&](const std::vector<std::vector<int>>& steps) {
+    std::filesystem::remove_all(root);
+    for (size_t r = 0; r < steps.size(); ++r) {
+      std::filesystem::create_directories(root + "/rank" + std::to_string(r));
+      for (int step : steps[r]) std::ofstream(checkpoint_path(root + "/rank" + std::to_string(r), step));
+    }
+    std::vector<std::pair<int, std::string>> found(steps.size());
+    SimulatedDeviceWorld(int(steps.size())).run([&](DeviceCommunicator& comm) {
+      found[comm.rank()] = newest_common_checkpoint(comm, root + "/rank" + std::to_string(comm.rank()));
+    });
+    for (size_t r = 0; r < steps.size(); ++r)  // every rank the same step, its own file of it
+      CHECK(found[r].second == (found[0].first < 0 ? "" : checkpoint_path(root + "/rank" + std::to_string(r),
+                                                                          found[0].first)));
+    return found[0].first;
+  };
+  CHECK(common({{250, 500}, {250, 500}, {250, 500}}) == 500);
+  CHECK(common({{250, 500}, {250, 500}, {250}}) == 250);  // rank 2 stopped before writing step 500's
+  CHECK(common({{250}, {250, 500}}) == 250);
+  CHECK(common({{500}, {250}}) == -1);
+  CHECK(common({{}, {250}}) == -1);
+  std::filesystem::remove_all(root);
+}
+
 TEST_CASE("a traced step shows the reductions going out during the last micro-sequence's backward") {
 #ifdef SPEEDRUN_EMULATED
   if (emu::lazy_streams()) {  // (SPEEDRUN_EMULATOR_STREAMS=lazy) each reduction runs when a wait asks for it

@@ -19,6 +19,10 @@
 #   shows_failed_rank_output      a failed rank above 0 has the end of its output on the console
 #   paths_from_caller             relative paths in the path flags are from the caller's directory
 #   sample_settings               the sample fallback's settings are in its warning and its README
+#   launched_ranks_build_one_at_a_time  ranks a launcher started (RANK set) build one after another
+#   slurm_without_srun            in an sbatch script or a one-task step run.sh starts the ranks itself
+#                                 (Slurm's task variables hidden from them); a task of srun's step of
+#                                 several is a rank
 # nvidia-smi is a stand-in (tests/launcher/nvidia-smi) listing FAKE_GPUS GPUs, 4 unless set.
 # Usage: test_run_sh.sh CASE
 set -uo pipefail
@@ -124,8 +128,8 @@ help_without_building() {
 slurm_script() {
   stand_ins=$(mktemp -d)
   printf '#!/usr/bin/env bash\n[[ $1 == show && $2 == hostnames ]] && printf "gpu-a7\\ngpu-a8\\n"\n' >"$stand_ins/scontrol"
-  # srun: one task, as srun would start it (its variables), running the command it was given
-  printf '#!/usr/bin/env bash\nshift\nSLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 SLURM_NTASKS_PER_NODE=1 exec "$@"\n' \
+  # srun: task 0 of a step of 2, as srun would start it (its variables), running the command it was given
+  printf '#!/usr/bin/env bash\nshift\nSLURM_STEP_ID=0 SLURM_STEP_NUM_TASKS=2 SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_LOCALID=0 SLURM_NTASKS_PER_NODE=1 exec "$@"\n' \
     >"$stand_ins/srun"
   chmod +x "$stand_ins/scontrol" "$stand_ins/srun"
   out=$(env PATH="$stand_ins:$PATH" SLURM_JOB_NODELIST="gpu-a[7-8]" SLURM_SUBMIT_DIR="$repo" SPEEDRUN_TRAINER="$fake" \
@@ -134,7 +138,7 @@ slurm_script() {
   rm -rf "$stand_ins"
   echo "$out"
   [[ $rc == 0 ]] || fail "exit status $rc"
-  grep -q "^rank  of  (local  of ) master gpu-a7:29500 pid .* args: .*--seed 4$" <<<"$out" ||
+  grep -q "^rank  of  (local  of ) master gpu-a7:29500 slurm task 0 of 2 pid .* args: .*--seed 4$" <<<"$out" ||
     fail "the rank did not get MASTER_ADDR=gpu-a7, MASTER_PORT=29500 and the flags"
 }
 
@@ -172,6 +176,35 @@ paths_from_caller() {
   escaped=${escaped//]/\\]}
   expected="args: --train-files $escaped/mydata/train_*.bin --val-files=$escaped/mydata/val.bin --checkpoint-dir $caller/ck --log-dir=/abs/logs --seed 5"
   [[ $rc == 0 ]] && grep -qF -- "$expected" <<<"$out" || fail "expected '$expected'"
+}
+
+launched_ranks_build_one_at_a_time() {
+  # a stand-in cmake that notes a build begun while another runs
+  stand_in=$(mktemp -d)
+  printf '#!/usr/bin/env bash\n[[ $1 == --build ]] || exit 0\nmkdir "%s/building" 2>/dev/null || { echo OVERLAP; exit 0; }\nsleep 0.5\nrmdir "%s/building"\n' \
+    "$stand_in" "$stand_in" >"$stand_in/cmake"
+  chmod +x "$stand_in/cmake"
+  for r in 0 1 2; do  # the trainer each execs then refuses the flag (or is not built): only the builds matter
+    env -u SPEEDRUN_TRAINER PATH="$stand_in:$PATH" RANK=$r ./run.sh --not-a-flag >"$stand_in/rank$r.out" 2>&1 &
+  done
+  wait
+  overlaps=$(cat "$stand_in"/rank*.out | grep -c OVERLAP)
+  rm -rf "$stand_in"
+  ((overlaps == 0)) || fail "$overlaps of 3 ranks began their build while another's ran"
+}
+
+slurm_without_srun() {
+  # an sbatch script's own shell (or a one-task step) has SLURM_PROCID=0 and the job's task count:
+  # run.sh is the launcher there, and its ranks do not see Slurm's task variables
+  launch FAKE_GPUS=2 RUN_SECONDS=0 SLURM_JOB_ID=7 SLURM_PROCID=0 SLURM_NTASKS=8 SLURM_LOCALID=0 \
+    SLURM_NTASKS_PER_NODE=8 ./run.sh
+  expect 0 "^rank 0 of 2 (local 0 of 2) master 127.0.0.1:[0-9]* slurm task none of none pid"
+  grep -q "^rank 1 of 2 .* slurm task none of none" logs/rank1.out || fail "rank 1 saw Slurm's task variables"
+  launch FAKE_GPUS=1 RUN_SECONDS=0 SLURM_STEP_ID=3 SLURM_STEP_NUM_TASKS=1 SLURM_PROCID=0 SLURM_NTASKS=1 ./run.sh
+  expect 0 "^rank  of  (local  of ) master : slurm task none of none pid"
+  # a task of a step of several is a rank already: run.sh starts it alone, with Slurm's variables
+  launch FAKE_GPUS=2 RUN_SECONDS=0 SLURM_STEP_ID=3 SLURM_STEP_NUM_TASKS=2 SLURM_PROCID=1 SLURM_NTASKS=2 ./run.sh
+  expect 0 "^rank  of  (local  of ) master : slurm task 1 of 2 pid"
 }
 
 sample_settings() {
