@@ -4,8 +4,8 @@
 # rendezvous passed as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, a
 # random free-looking port unless set). Started by a launcher (torchrun, mpirun, srun: its
 # variables are set), it runs the one process the launcher asked for. SPEEDRUN_TRAINER names a
-# trainer built elsewhere (no build here: what launchers on several nodes should use, so that ranks
-# do not race one build/). FineWeb shards in
+# trainer built elsewhere (a path from the caller's folder; no build here: what launchers on several
+# nodes should use, and a record's frozen build). FineWeb shards in
 # data/fineweb10B/ are used when present (python3 data/download_fineweb.py 8); otherwise the
 # bundled sample in data/sample/, with a warning and smoke-run settings; neither when the flags
 # name the training shards (--train-files). Extra flags are passed on and override those:
@@ -19,6 +19,8 @@
 # ./run.sh --help: this text, then the trainer's flags (when it is built; nothing is built for it).
 set -euo pipefail
 caller=$PWD
+# a trainer named by a relative path is the caller's (run.sh works from the repository's root)
+if [[ ${SPEEDRUN_TRAINER:-} == */* && ${SPEEDRUN_TRAINER} != /* ]]; then SPEEDRUN_TRAINER=$caller/$SPEEDRUN_TRAINER; fi
 cd "$(dirname "$0")"
 
 for arg in "$@"; do
@@ -76,7 +78,7 @@ slurm_tasks=${SLURM_STEP_NUM_TASKS:-1}
 launched=${RANK:-}${OMPI_COMM_WORLD_RANK:-}
 if [[ -n ${SLURM_STEP_ID:-} && $slurm_tasks =~ ^[0-9]+$ ]] && ((10#$slurm_tasks > 1)); then
   launched+=${SLURM_PROCID:-}
-elif [[ -z $launched && -n ${SLURM_PROCID:-} ]]; then
+elif [[ -z $launched ]]; then  # (salloc's shell sets SLURM_NTASKS alone)
   unset SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_NTASKS_PER_NODE
 fi
 # How many processes, checked before the build (a launcher that started this process decided it).
@@ -122,9 +124,13 @@ if [[ -z ${SPEEDRUN_TRAINER:-} ]]; then
   # one build at a time: a node's ranks, each started by a launcher, would build into build/ at once
   mkdir -p build
   exec 9>build/.run_sh_build.lock
-  if command -v flock >/dev/null; then flock 9; fi
-  [[ -f build/CMakeCache.txt ]] || cmake --preset release >/dev/null
-  cmake --build --preset release --target train_gpt
+  if command -v flock >/dev/null && ! flock -n 9; then
+    echo "run.sh: waiting for another process's build of build/ (build/.run_sh_build.lock)" >&2
+    flock 9
+  fi
+  # 9>&-: the build's own processes (a build server that outlives it) do not hold the lock
+  [[ -f build/CMakeCache.txt ]] || cmake --preset release >/dev/null 9>&-
+  cmake --build --preset release --target train_gpt 9>&-
   exec 9>&-
 fi
 

@@ -2281,11 +2281,13 @@ inline std::string run_settings_report(const Hyperparameters& h, const ProcessGr
 }
 
 // A folder the run will write into: created, and a file written and removed, now (a file of this
-// process's own: the ranks of a node may probe one folder at once).
+// process's own: the ranks of several nodes may probe one shared folder at once).
 inline void check_writable(const std::string& dir, const std::string& what) {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
-  const std::string probe = dir + "/.write_probe." + std::to_string(::getpid());
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "host");
+  const std::string probe = dir + "/.write_probe." + host + "." + std::to_string(::getpid());
   if (error || !std::ofstream(probe) || !std::filesystem::remove(probe, error))
     throw RunFilesError(dir + ": cannot write " + what + " there (" + (error ? error.message() : std::strerror(errno)) +
                         ")");
@@ -2461,7 +2463,12 @@ inline std::optional<ResumePoint> checkpoint_to_resume(const Hyperparameters& h,
                                                        const GPTConfig& config = GPTConfig()) {
   if (!h.resume) return std::nullopt;
   const std::string dir = rank_checkpoint_dir(h, g);
-  const std::string path = newest_checkpoint(dir);
+  std::string path;
+  try {
+    path = newest_checkpoint(dir);
+  } catch (const std::exception& e) {  // a folder that cannot be listed
+    throw CheckpointError(std::string("--resume: ") + e.what());
+  }
   if (path.empty()) throw CheckpointError("--resume: no checkpoint in " + dir + other_world_size(h, g));
   return resume_point_at(path, h, g.world_size, config);
 }
@@ -2724,10 +2731,11 @@ class TrainingRun {
   }
 
  private:
-  // An error of this rank alone leaves its peers inside a collective. Unwinding could then block,
-  // in NCCL's abort or in a cudaFree (which waits for this GPU's collective kernels), before main
-  // says why. With peers the error is said and the process ends at once (the launcher stops the
-  // others), as a stalled rank's does.
+  // An error of this rank alone in start() or train() leaves its peers inside a collective.
+  // Unwinding could then block, in NCCL's abort or in a cudaFree (which waits for this GPU's
+  // collective kernels), before main says why. With peers the error is said and the process ends at
+  // once (the launcher stops the others), as a stalled rank's does. (An error while the members are
+  // built, out of memory say, unwinds: no collective kernel is queued by then.)
   template <class F>
   auto ending_rank_on_error(F&& f) -> decltype(f()) {
     try {
@@ -2863,7 +2871,10 @@ class TrainingRun {
       throw CheckpointError("--resume: no step has a checkpoint on every rank (rank " + std::to_string(comm_->rank()) +
                             "'s newest is step " + std::to_string(newest) + ")");
     const bool older = comm_->all_reduce_sum(newest != step ? 1.0 : 0.0) > 0;
-    if (newest != step) point = resume_point_at(path, h_, comm_->world_size(), config_);
+    if (newest != step) {
+      point.checkpoint = {};  // one checkpoint in memory at a time
+      point = resume_point_at(path, h_, comm_->world_size(), config_);
+    }
     restore_state(point.checkpoint, point.path, state_, model_.params);
     if (diloco_) try {
         diloco_->resumed_at(step);

@@ -13,7 +13,6 @@ import os
 import struct
 import sys
 import urllib.error
-import urllib.parse
 import urllib.request
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main"
@@ -57,8 +56,7 @@ def download(url, dest):
             raise ShardError(f"{url}: HTTP {e.code} {e.reason}") from e
     except urllib.error.URLError as e:
         if not os.path.exists(part):  # nothing came: no server reached (offline, a wrong host)
-            host = urllib.parse.urlsplit(url).netloc
-            raise ShardError(f"{url}: cannot reach {host} ({e.reason}): offline? --base-url names a mirror "
+            raise ShardError(f"{url}: cannot reach its server ({e.reason}): offline? --base-url names a mirror "
                              "that serves the same file names") from e
         raise ShardError(f"{url}: {e.reason}; rerun to resume {part}") from e
     except (ConnectionError, TimeoutError, http.client.HTTPException) as e:
@@ -108,7 +106,7 @@ def fetch_all(num_train, dest_dir, base_url):
     os.makedirs(dest_dir, exist_ok=True)
     try:
         fetch_into(num_train, dest_dir, base_url)
-    except ShardError:
+    except BaseException:  # an interruption too
         if created and not os.listdir(dest_dir):  # a first download that got nothing leaves no empty folder
             os.rmdir(dest_dir)
         raise

@@ -148,7 +148,7 @@ class DownloadTest(unittest.TestCase):
         dest = os.path.join(self.dir.name, "new")
         with self.assertRaises(dl.ShardError) as e:
             dl.fetch_all(1, dest, f"http://127.0.0.1:{port}")
-        self.assertIn(f"cannot reach 127.0.0.1:{port} (", str(e.exception))
+        self.assertIn(f"http://127.0.0.1:{port}/{dl.shard_names(0)[0]}: cannot reach its server (", str(e.exception))
         self.assertIn("offline? --base-url names a mirror", str(e.exception))
         self.assertNotIn("resume", str(e.exception))
         self.assertFalse(os.path.exists(dest))

@@ -781,8 +781,9 @@ Data and hardware: (FineWeb or the offline corpus; GPUs; the trainer's flags).
 ## Build and run
 
 ```
-{BUILD_COMMAND}
-./train_gpt --num-iterations ...    # each run writes logs/<run-id>.txt: copy it here
+{BUILD_COMMAND}    # in this folder
+# from the repository's root (records/README.md, step 4): the logs come here
+SPEEDRUN_TRAINER=records/{folder}/train_gpt ./run.sh --log-dir records/{folder} --self-check strict
 ```
 
 ## Results
@@ -926,7 +927,8 @@ def main(argv=None):
     p.add_argument("--against", nargs="+", metavar="LOG|DIR",
                    help="a second set: Welch's t-tests of it against the first")
     p.add_argument("--target", type=float,
-                   help=f"val loss of the one-sided test (default: FineWeb's {FINEWEB_TARGET}, for runs on FineWeb)")
+                   help=f"val loss of the one-sided test (default: the target a record folder's README names, "
+                        f"else FineWeb's {FINEWEB_TARGET}, for runs on FineWeb)")
     p.add_argument("--png", metavar="FILE", help="plot the final val losses against the target (matplotlib)")
     p = sub.add_parser("compare", help="step-aligned validation of our runs against a record's run, and a plot")
     p.add_argument("ours", nargs="+", metavar="OURS", help="our run logs")

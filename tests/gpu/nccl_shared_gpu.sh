@@ -30,8 +30,11 @@ python3 tools/compare_checkpoints.py --bound 0.1 "$work"/W1/step_000004.ckpt "$w
 # A run stopped while its ranks wrote step 4's checkpoints (rank 1's missing): --resume takes step 2,
 # the newest every rank holds, and trains to the same step 4
 rm "$work"/W2/rank1/step_000004.ckpt
+touch "$work/before_resume"
 NPROC=2 ./run.sh "${flags[@]}" --ranks-share-gpu --checkpoint-dir "$work/W2" --resume >"$work/W2-resumed.txt" 2>&1 ||
   { tail -40 "$work/W2-resumed.txt"; tail -40 logs/rank1.out; echo "FAILED: the W = 2 resume"; exit 1; }
 grep -m1 "resumed from .*/step_000002.ckpt at step 2 (the newest step every rank holds" "$work/W2-resumed.txt" ||
   { echo "FAILED: the resume did not take step 2, the newest step both ranks held"; exit 1; }
+[[ "$work"/W2/rank0/step_000004.ckpt -nt "$work/before_resume" ]] ||
+  { echo "FAILED: rank 0's step 4 checkpoint was not written again by the resumed run"; exit 1; }
 python3 tools/compare_checkpoints.py --bound 0.1 "$work"/W1/step_000004.ckpt "$work"/W2/rank*/step_000004.ckpt

@@ -20,6 +20,7 @@
 #   paths_from_caller             relative paths in the path flags are from the caller's directory
 #   sample_settings               the sample fallback's settings are in its warning and its README
 #   launched_ranks_build_one_at_a_time  ranks a launcher started (RANK set) build one after another
+#   trainer_from_caller           a relative SPEEDRUN_TRAINER is taken from the caller's folder
 #   slurm_without_srun            in an sbatch script or a one-task step run.sh starts the ranks itself
 #                                 (Slurm's task variables hidden from them); a task of srun's step of
 #                                 several is a rank
@@ -123,6 +124,19 @@ help_without_building() {
   launch SPEEDRUN_TRAINER="$helper" ./run.sh -h
   rm -f "$helper"
   expect 0 "^the trainer says: --help$"
+}
+
+trainer_from_caller() {
+  # a relative SPEEDRUN_TRAINER is the caller's path, as the path flags are
+  caller=$(mktemp -d)
+  cp "$fake" "$caller/my_trainer"
+  (cd "$caller" && env PATH="$repo/tests/launcher:$PATH" FAKE_GPUS=1 RUN_SECONDS=0 SPEEDRUN_TRAINER=./my_trainer \
+    "$repo/run.sh" --seed 9) >"$caller/out.txt" 2>&1
+  rc=$?
+  out=$(cat "$caller/out.txt")
+  rm -rf "$caller"
+  echo "$out"
+  expect 0 "args: .*--seed 9$"
 }
 
 slurm_script() {
