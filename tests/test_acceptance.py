@@ -489,24 +489,32 @@ class AcceptanceTest(unittest.TestCase):
     def test_at_bench_in_a_variant_is_the_bench_phase_s_fastest_matmul_algorithms(self):
         with open(os.path.join(self.repo, "build", "bench_kernels"), "a") as f:
             f.write('echo "| matmul: the fastest candidates\' flag | --matmul-algorithms qkv.dx=1,mlp-fc.dw=2 |"\n')
+            f.write('echo "| fp8 head fwd: the fastest candidate\'s flag | --fp8-logits-algorithm 3 |"\n')
         status, report, output = self.acceptance("bench", "anchor", gpus=1, ANCHOR_RUNS="8:20",
-                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench")
+                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench;"
+                                                                 "--matmul-algorithms @bench --fp8-logits-algorithm @bench-fp8")
         self.assertEqual(status, 0, output)
         programs = self.read(self.calls + ".programs").splitlines()
         self.assertTrue(programs[2].endswith("--matmul-algorithms qkv.dx=1,mlp-fc.dw=2"), programs[2])
-        # a later call on the same machine (build/ stays) finds it without the bench phase
+        self.assertTrue(programs[3].endswith("--matmul-algorithms qkv.dx=1,mlp-fc.dw=2 --fp8-logits-algorithm 3"),
+                        programs[3])
+        # a later call on the same machine (build/ stays) finds them without the bench phase
         os.remove(self.calls + ".programs")
         status, report, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20",
-                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench")
+                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench;--fp8-logits-algorithm @bench-fp8")
         self.assertEqual(status, 0, output)
         self.assertTrue(self.read(self.calls + ".programs").splitlines()[2].endswith("qkv.dx=1,mlp-fc.dw=2"))
+        self.assertTrue(self.read(self.calls + ".programs").splitlines()[3].endswith("--fp8-logits-algorithm 3"))
         # neither build/'s value nor the report's line: the variant does not run, the others do
-        os.remove(os.path.join(self.repo, "build", "bench_matmul_algorithms.txt"))
+        os.remove(os.path.join(self.repo, "build", "bench_matmul-algorithms.txt"))
+        os.remove(os.path.join(self.repo, "build", "bench_fp8-logits-algorithm.txt"))
         os.remove(self.report)
         status, report, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20",
-                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench;--seed 2")
+                                                 ANCHOR_VARIANTS="--matmul-algorithms @bench;--seed 2;"
+                                                                 "--fp8-logits-algorithm @bench-fp8")
         self.assertEqual(status, 1, output)  # asked for and not run: the phase fails
         self.assertIn("| ours --matmul-algorithms @bench, M = 8 | 20 | 0 | not run: no bench value for @bench", report)
+        self.assertIn("| ours --fp8-logits-algorithm @bench-fp8, M = 8 | 20 | 0 | not run: no bench value", report)
         self.assertIn("- M = 8, ours --seed 2: differ from step 1", report)
 
     def test_a_variant_that_stops_early_is_not_said_to_agree(self):

@@ -17,9 +17,10 @@
 #               trainer with those flags after its own, each in the table (e.g. a kernel's previous
 #               version behind a flag, measured in the same call), and whether each printed the trainer's
 #               own losses (the same seed: a variant that changes no arithmetic must); "@bench" in a
-#               variant stands for the bench phase's fastest --matmul-algorithms value (from an
-#               earlier call on the same machine: build/bench_matmul_algorithms.txt, else the
-#               report's line), so that the anchor's call needs nothing read from the bench's;
+#               variant stands for the bench phase's fastest --matmul-algorithms value, "@bench-fp8"
+#               for its fastest --fp8-logits-algorithm (from an earlier call on the same machine:
+#               build/bench_<flag>.txt, else the report's line), so that the anchor's call needs
+#               nothing read from the bench's;
 #               ANCHOR_RUNS="M:N ..." other runs
 #               than "8:20 1:60" (each run costs about 45 s of the trainer, 40-150 s of the record's
 #               code: "8:20" alone fits five variants into one device call)
@@ -456,12 +457,14 @@ phase_anchor() {
     fi
     for variant in "${variants[@]}"; do
       if [[ $variant == *@bench* ]]; then
-        if ! fastest=$(bench_matmul_algorithms); then
+        if { [[ $variant == *@bench-fp8* ]] && ! fp8=$(bench_value fp8-logits-algorithm); } ||
+          { [[ ${variant//@bench-fp8/} == *@bench* ]] && ! fastest=$(bench_value matmul-algorithms); }; then
           say "| ours $variant, M = $M | $N | 0 | not run: no bench value for @bench (no bench phase on this machine, nor its line in the report) | |"
           failed=1
           continue
         fi
-        variant=${variant//@bench/$fastest}
+        variant=${variant//@bench-fp8/${fp8:-}}
+        variant=${variant//@bench/${fastest:-}}
       fi
       read -ra flags <<<"$variant"
       ((${#flags[@]})) || continue
@@ -563,8 +566,9 @@ phase_bench() {
   fi
   capture "$work/bench_kernels.txt" build/bench_kernels 20
   local status=$?
-  # the value of the anchor's "@bench": in build/, which stays between calls on one machine
-  matmul_flag_value "$work/bench_kernels.txt" >build/bench_matmul_algorithms.txt
+  # the values of the anchor's "@bench" and "@bench-fp8": in build/, which stays between calls on one machine
+  bench_flag_value "$work/bench_kernels.txt" matmul-algorithms >build/bench_matmul-algorithms.txt
+  bench_flag_value "$work/bench_kernels.txt" fp8-logits-algorithm >build/bench_fp8-logits-algorithm.txt
   say "" "### Our kernels (\`build/bench_kernels 20\`)" "" "$(grep -v '^error' "$work/bench_kernels.txt")"
   ((status == 0)) || { say "" "bench_kernels FAILED (exit $status)."; return 1; }
   capture "$work/bench_torch.txt" python3 tools/bench_torch.py --ours "$work/bench_kernels.txt"
@@ -580,17 +584,19 @@ phase_bench() {
   return "$status"
 }
 
-# matmul_flag_value <file>: the last --matmul-algorithms value of bench_kernels' flag line in the file.
-matmul_flag_value() {
-  sed -nE "s/^\| matmul: the fastest candidates' flag +\| --matmul-algorithms ([^ |]+) \|$/\1/p" "$1" | tail -1
+# bench_flag_value <file> <flag>: the last value of --<flag> on bench_kernels' lines of the fastest
+# candidates' flags in the file (matmul-algorithms, fp8-logits-algorithm).
+bench_flag_value() {
+  sed -nE "s/^\| [^|]*the fastest candidates?'s? flag +\| --$2 ([^ |]+) \|$/\1/p" "$1" | tail -1
 }
 
-# What "@bench" in an anchor variant stands for: the bench phase's value, from this machine's earlier
-# call (build/) or from the report; nothing (status 1) where neither has one.
-bench_matmul_algorithms() {
+# What "@bench" (--matmul-algorithms) or "@bench-fp8" (--fp8-logits-algorithm) in an anchor variant
+# stands for: the bench phase's value of <flag>, from this machine's earlier call (build/) or from
+# the report; nothing (status 1) where neither has one.
+bench_value() {
   local value
-  value=$(cat build/bench_matmul_algorithms.txt 2>/dev/null)
-  [[ -n $value ]] || value=$(matmul_flag_value "$report")
+  value=$(cat "build/bench_$1.txt" 2>/dev/null)
+  [[ -n $value ]] || value=$(bench_flag_value "$report" "$1")
   [[ -n $value ]] && echo "$value"
 }
 

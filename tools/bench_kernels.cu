@@ -429,15 +429,28 @@ void bench_fp8_head(Matmul& matmul, const Peaks& peaks) {
   head.forward(x, logits, kChunk, matmul, 0);
   loss();
   const double flops = 2.0 * T * D * double(V);  // one product over all chunks
-  row("fp8 head fwd", median_ms([&] { chunks([&](int) { head.logits_product(logits, matmul, 0); }); }), 0, flops, peaks, true);
-  // cuBLASLt's other answers for the same product (--fp8-logits-algorithm N picks one for a run)
+  const float first_ms = median_ms([&] { chunks([&](int) { head.logits_product(logits, matmul, 0); }); });
+  row("fp8 head fwd", first_ms, 0, flops, peaks, true);
+  // cuBLASLt's other answers for the same product (--fp8-logits-algorithm N picks one for a run), and
+  // the fastest that gives the same bits on a second run (1% below the first: the medians' noise)
+  int best = 0;
+  float best_ms = 0.99f * first_ms;
   time_candidates(
       "fp8 head fwd",
       [&](int c) {
         head.set_logits_candidate(c);
         chunks([&](int) { head.logits_product(logits, matmul, 0); });
       },
-      [&](int c, float ms) { row(("fp8 head fwd, candidate " + std::to_string(c)).c_str(), ms, 0, flops, peaks, true); });
+      [&](int c, float ms) {
+        row(("fp8 head fwd, candidate " + std::to_string(c)).c_str(), ms, 0, flops, peaks, true);
+        if (ms >= best_ms) return;
+        if (bitwise_reproducible([&] { head.logits_product(logits, matmul, 0); }, logits,
+                                 size_t(kChunk) * V * sizeof(bf16), /*adds_into_out=*/false))
+          best = c, best_ms = ms;
+        else
+          std::printf("| %-38s | not bitwise reproducible: left out |\n", ("  candidate " + std::to_string(c)).c_str());
+      });
+  std::printf("| %-38s | --fp8-logits-algorithm %d |\n", "fp8 head fwd: the fastest candidate's flag", best);
   head.set_logits_candidate(0);
   row("fp8 head dx", median_ms([&] { chunks([&](int c) { head.grad_input_product(dx_chunk(c), matmul, 0); }); }), 0,
       flops, peaks, true);
