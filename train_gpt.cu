@@ -3048,6 +3048,9 @@ int run_training(const Hyperparameters& h, const std::string& command) {
 // ------------------------------------------------------------------------------------------------
 #ifndef TRAIN_GPT_NO_MAIN  // tests include this file for its host and device code
 int main(int argc, char** argv) {
+  // Line by line into a file or pipe too (run.sh sends ranks above 0 to logs/rank<r>.out): a rank
+  // its launcher kills keeps every line it printed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   try {
     Hyperparameters h;
     if (!parse_flags(argc, argv, h)) {
