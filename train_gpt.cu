@@ -747,9 +747,8 @@ inline Checkpoint read_checkpoint(const std::string& path) {
   return c;
 }
 
-// The checkpoint of the highest step in dir (files named step_<digits>.ckpt), or "" when there is
-// none. Temporary files of an interrupted write and other names are ignored.
-// The checkpoints in dir, (step, path), the newest first.
+// The checkpoints in dir (files named step_<digits>.ckpt), (step, path), the newest first.
+// Temporary files of an interrupted write and other names are ignored.
 inline std::vector<std::pair<int, std::string>> checkpoints_in(const std::string& dir) {
   std::vector<std::pair<int, std::string>> found;
   if (!std::filesystem::is_directory(dir)) return found;
@@ -765,6 +764,7 @@ inline std::vector<std::pair<int, std::string>> checkpoints_in(const std::string
   return found;
 }
 
+// The checkpoint of the highest step in dir, or "" when there is none.
 inline std::string newest_checkpoint(const std::string& dir) {
   const auto found = checkpoints_in(dir);
   return found.empty() ? "" : found.front().second;
@@ -2280,14 +2280,19 @@ inline std::string run_settings_report(const Hyperparameters& h, const ProcessGr
   return out.str();
 }
 
+// This machine's name ("host" where the system will not say).
+inline std::string host_name() {
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) return "host";
+  return host;
+}
+
 // A folder the run will write into: created, and a file written and removed, now (a file of this
 // process's own: the ranks of several nodes may probe one shared folder at once).
 inline void check_writable(const std::string& dir, const std::string& what) {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
-  char host[256] = {};
-  if (gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "host");
-  const std::string probe = dir + "/.write_probe." + host + "." + std::to_string(::getpid());
+  const std::string probe = dir + "/.write_probe." + host_name() + "." + std::to_string(::getpid());
   if (error || !std::ofstream(probe) || !std::filesystem::remove(probe, error))
     throw RunFilesError(dir + ": cannot write " + what + " there (" + (error ? error.message() : std::strerror(errno)) +
                         ")");
@@ -3008,10 +3013,8 @@ inline void share_one_gpu(const ProcessGroupEnv& g) {
     throw FlagError("--ranks-share-gpu: this process sees " + std::to_string(count) +
                     " GPUs, so each rank can have its own: leave the flag out (NCCL then takes the fast "
                     "paths), or show each process one GPU (CUDA_VISIBLE_DEVICES=0)");
-  char host[256] = {};
-  if (gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "host");
   std::string settings;
-  for (const auto& [name, value] : shared_gpu_nccl_environment(g, host)) {
+  for (const auto& [name, value] : shared_gpu_nccl_environment(g, host_name())) {
     setenv(name.c_str(), value.c_str(), /*overwrite=*/1);
     settings += " " + name + "=" + value;
   }

@@ -404,11 +404,8 @@ def stats_target(given, paths, runs):
         return given, []
     folders = {}
     for path in paths:
-        readme = os.path.join(path, "README.md")
-        if os.path.isdir(path) and os.path.isfile(readme):
-            with open(readme, encoding="utf-8") as f:
-                if TARGET_LINE.search(f.read()):
-                    folders[path] = record_target(path)
+        if os.path.isfile(os.path.join(path, "README.md")) and (target := record_target(path, required=False)):
+            folders[path] = target
     if len(set(folders.values())) > 1:
         raise RecordError("the record folders name different targets (" +
                           ", ".join(f"{path}: {t:g}" for path, t in folders.items()) + "): give one with --target")
@@ -837,9 +834,12 @@ def record_folders(records_dir):
                   if RECORD_FOLDER.fullmatch(n) and os.path.isdir(os.path.join(records_dir, n)))
 
 
-def record_target(folder):
+def record_target(folder, required=True):
+    """The target val loss folder/README.md names (None where it names none and none is required)."""
     with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
         m = TARGET_LINE.search(f.read())
+    if not m and not required:
+        return None
     if not m:
         raise RecordError(f"{folder}/README.md: no 'Target val loss: X' line")
     if float(m[1]) <= 0:

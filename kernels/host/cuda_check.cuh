@@ -74,7 +74,6 @@ inline std::string no_gpu_reason(cudaError_t err) {
   cudaRuntimeGetVersion(&runtime);
   auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
   const std::string cuda_says = err == cudaSuccess ? "" : std::string(" (CUDA: ") + cudaGetErrorString(err) + ")";
-  // (CUDA's own text is left out here: it blames the driver's version where there is no driver)
   if (driver == 0)
     return "no NVIDIA driver found, so no GPU can be used here: the trainer needs an NVIDIA GPU (H100 or H200) and "
            "its driver; without one, `ctest --test-dir build -L emulated` runs the kernels' tests on the CPU "
