@@ -28,6 +28,7 @@
 #include "kernels/residual.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/self_check.cuh"
+#include "kernels/self_check_process.cuh"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -2241,10 +2242,10 @@ inline DataShards check_data(const Hyperparameters& h) {
 
 // The command line as a shell would take it back: an argument with anything but [A-Za-z0-9_./=:,+-]
 // in single quotes.
-inline std::string command_line(int argc, char** argv) {
+inline std::string command_line(const std::vector<std::string>& args) {
   std::string line;
-  for (int i = 0; i < argc; ++i) {
-    std::string a = argv[i];
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string a = args[i];
     const bool plain = !a.empty() && a.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
                                                          "0123456789_./=:,+-") == std::string::npos;
     if (!plain) {
@@ -2604,31 +2605,16 @@ class StepStream {
   cudaStream_t stream_ = nullptr;
 };
 
-// Runs the self-check on this rank's GPU, in `stream` (the run's StepStream), and votes: a path
-// fails when it fails on any rank (comm null: this process alone), and is replaced by its reference.
-inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfCheckShape& shape, uint16_t bos,
-                                         const ValidationPlan* val, DeviceCommunicator* comm,
-                                         cudaStream_t stream = nullptr) {
+// Runs the checks of the paths it is given: run_self_check's results.
+using PathChecks = std::function<std::vector<SelfCheckResult>(const KernelPaths&)>;
+
+// The self-check and its vote: a path fails when it fails on any rank (comm null: this process
+// alone), and is replaced by its reference.
+inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, DeviceCommunicator* comm, const PathChecks& check) {
   SelfCheckOutcome outcome{paths_of(h), {}, false, ""};
   if (h.self_check == "off") return outcome;
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<uint16_t> layout = self_check_layout(val, shape.attention_tokens, bos);
-  Matmul matmul;
-  // A kernel that trapped or faulted leaves this process's GPU context unusable (every later call
-  // fails alike): no fallback can follow, so the run stops naming the checks that failed.
-  auto settle = [](const std::vector<SelfCheckResult>& checks) {
-    const cudaError_t error = cudaDeviceSynchronize();
-    if (error == cudaSuccess) return;
-    std::string failed;
-    for (const SelfCheckResult& r : checks)
-      if (!r.passed()) failed += "\n  " + r.line();
-    throw SelfCheckFailed(std::string("self-check: the GPU stopped (") + cudaGetErrorString(error) +
-                          "): a check's kernel trapped or faulted, and this process can take no fallback after it; "
-                          "the checks that failed:" + failed + "\nrun again with the failing path's reference flag "
-                          "(flash attention: --attention flash-split, else --attention reference)");
-  };
-  const std::vector<SelfCheckResult> results = run_self_check(shape, outcome.paths, layout.data(), bos, matmul, stream);
-  settle(results);
+  const std::vector<SelfCheckResult> results = check(outcome.paths);
   size_t checks = results.size(), second_round = 0;
   int failed_checks = 0;
   for (const SelfCheckResult& r : results) {
@@ -2659,14 +2645,15 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
     if (!failed) continue;
     outcome.failed_paths += (outcome.failed_paths.empty() ? "" : ", ") + std::string(path.name);
     const std::string where = failed_here ? "here" : "on another rank";
-    // The newest flash kernels failing: the earlier flash kernels, checked now, before the reference.
+    // The newest flash kernels failing: the earlier flash kernels, checked now (alone), before the reference.
     if (path.member == &KernelPaths::flash_attention && has_earlier_flash_kernels(outcome.paths) &&
         h.self_check == "fallback") {
-      const KernelPaths earlier = earlier_flash_kernels(outcome.paths);
-      const std::vector<SelfCheckResult> again =
-          flash_attention_results(shape, earlier, layout.data(), bos, stream, " (flash-split)");
-      settle(again);
-      for (const SelfCheckResult& r : again) {
+      KernelPaths earlier = earlier_flash_kernels(outcome.paths);
+      for (const FastPath& other : fast_paths())
+        if (other.member != &KernelPaths::flash_attention) earlier.*other.member = false;
+      std::vector<SelfCheckResult> again = check(earlier);
+      for (SelfCheckResult& r : again) {
+        r.name.insert(std::string("flash attention").size(), " (flash-split)");
         outcome.lines.push_back(r.line());
         failed_checks += !r.passed();
       }
@@ -2691,12 +2678,61 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
   return outcome;
 }
 
+// The checks in this process, in `stream` (the run's StepStream), on the attention layout of `val`
+// (its first tokens, else random documents): the tests', and the run's where its GPU admits one
+// process only. A kernel that trapped or faulted leaves the GPU context unusable (every later call
+// fails alike): no fallback can follow, so the run stops naming the checks that failed.
+inline PathChecks checks_in_this_process(const SelfCheckShape& shape, const ValidationPlan* val, uint16_t bos,
+                                         cudaStream_t stream) {
+  auto matmul = std::make_shared<Matmul>();
+  const std::vector<uint16_t> layout = self_check_layout(val, shape.attention_tokens, bos);
+  return [=](const KernelPaths& paths) {
+    const std::vector<SelfCheckResult> results = run_self_check(shape, paths, layout.data(), bos, *matmul, stream);
+    if (const cudaError_t error = cudaDeviceSynchronize(); error != cudaSuccess) {
+      std::string failed;
+      for (const SelfCheckResult& r : results)
+        if (!r.passed()) failed += "\n  " + r.line();
+      throw SelfCheckFailed(std::string("self-check: the GPU stopped (") + cudaGetErrorString(error) +
+                            "): a check's kernel trapped or faulted, and this process can take no fallback after "
+                            "it; the checks that failed:" + failed + "\nrun again with the failing path's reference "
+                            "flag (flash attention: --attention flash-split, else --attention reference)");
+    }
+    return results;
+  };
+}
+
+// The self-check in this process (the tests').
+inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfCheckShape& shape, uint16_t bos,
+                                         const ValidationPlan* val, DeviceCommunicator* comm,
+                                         cudaStream_t stream = nullptr) {
+  return self_check_paths(h, comm, checks_in_this_process(shape, val, bos, stream));
+}
+
+// The run's checks: in processes of their own (this trainer started again with `args`:
+// kernels/self_check_process.cuh), so that a kernel that hangs or stops the GPU fails its path
+// instead of ending the run; in this process where there are no `args` (tests) or where the GPU
+// admits one process (exclusive-process compute mode).
+inline PathChecks run_checks(const std::vector<std::string>& args, const PathChecks& here) {
+  if (args.empty()) return here;
+  int device = 0, mode = cudaComputeModeDefault;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device));
+  if (mode == cudaComputeModeExclusiveProcess) return here;
+  const std::string program = this_executable();
+  return [program, args](const KernelPaths& paths) {
+    return self_check_process::check_in_processes(program, args, paths);
+  };
+}
+
 // --self-check-only: the self-check on this process's GPU, printed; 0 when every check passed.
-inline int self_check_alone(Hyperparameters h) {
+inline int self_check_alone(Hyperparameters h, const std::vector<std::string>& args) {
   h.self_check = "strict";
   const GPTConfig c;
   const StepStream stream;
-  const SelfCheckOutcome outcome = self_check_paths(h, self_check_shape(c), c.bos_token, nullptr, nullptr, stream.get());
+  const SelfCheckShape shape = self_check_shape(c);
+  const SelfCheckOutcome outcome = self_check_paths(
+      h, nullptr,
+      run_checks(args, checks_in_this_process(shape, nullptr, c.bos_token, stream.get())));
   std::printf("%s", outcome.report().c_str());
   outcome.stop_if_strict(h);
   return 0;
@@ -2715,8 +2751,10 @@ inline ExitStatus exit_status_of(const std::exception& e) {
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
-  // settings: run_settings_report's lines for the log (empty in tests)
-  TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings = "")
+  // settings: run_settings_report's lines for the log (empty in tests); args: the trainer's
+  // arguments, with which the self-check's processes start (none: the checks run in this process)
+  TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings = "",
+              const std::vector<std::string>& args = {})
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
         groups_(*comm_, h.diloco_groups), model_(config_, memory_),
         optimizers_(h, model_.params, group(), memory_),
@@ -2725,7 +2763,7 @@ class TrainingRun {
         val_(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab),
         checksum_(memory_.alloc<unsigned long long>("parameter checksum", 1)),
         state_(training_state(model_.params, optimizers_, counters_)), checkpoint_dir_(rank_checkpoint_dir(h, g)) {
-    ending_rank_on_error([&] { start(h, g, settings); });
+    ending_rank_on_error([&] { start(h, g, settings, args); });
   }
 
   TrainingRun(const TrainingRun&) = delete;
@@ -2752,7 +2790,8 @@ class TrainingRun {
   }
 
   // After the members: every rank's flags and seed, the self-check, rank 0's log.
-  void start(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings) {
+  void start(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings,
+             const std::vector<std::string>& args) {
     beat("initialisation");
     check_same_flags(h, *comm_);
     // Every rank initialises from rank 0's seed (52 bits: exact through the double all-reduce).
@@ -2766,8 +2805,10 @@ class TrainingRun {
       for (const DiLoCo::Buffer& b : diloco_->state_buffers()) state_.push_back({b.name, b.data, b.bytes});
     }
     beat("self-check");
-    const SelfCheckOutcome self_check =
-        self_check_paths(h, self_check_shape(config_), config_.bos_token, &val_, comm_.get(), step_stream_.get());
+    const SelfCheckShape shape = self_check_shape(config_);
+    const SelfCheckOutcome self_check = self_check_paths(
+        h, comm_.get(),
+        run_checks(args, checks_in_this_process(shape, &val_, config_.bos_token, step_stream_.get())));
     if (comm_->rank() == 0 || self_check.failed_here) std::printf("%s", self_check.report().c_str());
     for (const std::string& line : self_check.lines)
       if (comm_->rank() == 0 && line.rfind("self-check fallback:", 0) == 0)
@@ -3028,12 +3069,28 @@ inline void share_one_gpu(const ProcessGroupEnv& g) {
                 g.world_size, free_bytes >> 20, (free_bytes >> 20) / g.world_size, settings.c_str());
 }
 
-// command: the command line, for the log
-int run_training(const Hyperparameters& h, const std::string& command) {
+// The process the run's checks start (SPEEDRUN_SELF_CHECK_PATHS: the paths to check): the checks
+// on this rank's GPU, on the run's attention layout, each group reported as it goes.
+inline int self_check_process_main(const Hyperparameters& h, const std::string& paths) {
+  require_hopper_gpu(select_gpu(launcher_environment().local_rank));
+  const GPTConfig c;
+  const StepStream stream;
+  std::unique_ptr<ValidationPlan> val;  // --self-check-only reads no data: random documents
+  if (!h.self_check_only) val = std::make_unique<ValidationPlan>(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab);
+  const SelfCheckShape shape = self_check_shape(c);
+  self_check_process::report_each_group();
+  checks_in_this_process(shape, val.get(), c.bos_token, stream.get())(self_check_process::with_switches(paths_of(h), paths));
+  std::printf("@done\n");
+  return 0;
+}
+
+// args: the trainer's arguments (args[0] the program), for the log and the self-check's processes
+int run_training(const Hyperparameters& h, const std::vector<std::string>& args) {
   programmatic_dependent_launch = h.launch_overlap == "pdl";  // before any launch, the self-check's too
+  if (const char* paths = std::getenv(self_check_process::kPathsVariable)) return self_check_process_main(h, paths);
   if (h.self_check_only) {  // no data, no ranks: this GPU's fast paths alone
     require_hopper_gpu(select_gpu(launcher_environment().local_rank));
-    return self_check_alone(h);
+    return self_check_alone(h, args);
   }
   const DataShards shards = check_data(h);
   const ProcessGroupEnv g = launcher_environment();
@@ -3045,7 +3102,7 @@ int run_training(const Hyperparameters& h, const std::string& command) {
   std::optional<ResumePoint> resume_point = checkpoint_to_resume(h, g);
   if (h.ranks_share_gpu) share_one_gpu(g);
   require_hopper_gpu(select_gpu(g.local_rank));
-  return TrainingRun(h, g, run_settings_report(h, g, command, shards)).run(std::move(resume_point));
+  return TrainingRun(h, g, run_settings_report(h, g, command_line(args), shards), args).run(std::move(resume_point));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -3060,7 +3117,7 @@ int main(int argc, char** argv) {
       std::printf("%s", usage(argv[0]).c_str());
       return 0;
     }
-    return run_training(h, command_line(argc, argv));
+    return run_training(h, std::vector<std::string>(argv, argv + argc));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return exit_status_of(e);

@@ -3,7 +3,9 @@
 // A first run on new hardware (or a new driver, CUDA or cuBLASLt) may find a fast path that the
 // CPU emulator passed but the GPU does not compute as we read PTX and cuBLASLt; the trainer then
 // replaces that path by its reference for the whole run (or stops, with --self-check strict)
-// instead of training silently wrong. The references are the paths the flags select anyway:
+// instead of training silently wrong. The trainer runs the checks in a process of their own
+// (self_check_process.cuh), so that a kernel that hangs or stops the GPU fails its path too. The
+// references are the paths the flags select anyway:
 //   flash attention (flash_attention.cuh)      --attention reference: the warp-per-row kernels (attention.cuh)
 //     (the forward and backward the run uses: the warp-specialised forward with --attention flash-ws,
 //     the two-kernel backward with --attention flash-split)
@@ -33,6 +35,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
@@ -429,8 +432,20 @@ struct CheckSpec {
   double bound;
 };
 
+// Told of each group of checks before it runs and of its results after: the self-check's own
+// process reports them to the trainer as they come (kernels/self_check_process.cuh). Unset: nothing.
+struct CheckListener {
+  std::function<void(const std::vector<CheckSpec>&)> starting;
+  std::function<void(const SelfCheckResult* first, size_t count)> finished;
+};
+inline CheckListener& check_listener() {
+  static CheckListener listener;
+  return listener;
+}
+
 template <class Errors>
 void add_results(std::vector<SelfCheckResult>& results, const std::vector<CheckSpec>& specs, Errors errors) {
+  if (check_listener().starting) check_listener().starting(specs);
   std::vector<double> values;
   std::string failure;
   try {
@@ -442,19 +457,18 @@ void add_results(std::vector<SelfCheckResult>& results, const std::vector<CheckS
     results.push_back({specs[i].name, specs[i].path,
                        failure.empty() ? values.at(i) : std::numeric_limits<double>::infinity(), specs[i].bound,
                        failure});
+  if (check_listener().finished) check_listener().finished(results.data() + results.size() - specs.size(), specs.size());
 }
 
 }  // namespace self_check
 
-// The flash kernels `in_use` selects against the reference attention at windows 1, 3 and 14 (each
-// check named "flash attention<what>, window w").
+// The flash kernels `in_use` selects against the reference attention at windows 1, 3 and 14.
 inline std::vector<SelfCheckResult> flash_attention_results(const SelfCheckShape& s, const KernelPaths& in_use,
-                                                            const uint16_t* tokens, uint16_t bos, cudaStream_t stream,
-                                                            const std::string& what = "") {
+                                                            const uint16_t* tokens, uint16_t bos, cudaStream_t stream) {
   using namespace self_check;
   std::vector<SelfCheckResult> results;
   for (int window : {1, 3, 14})
-    add_results(results, {{"flash attention" + what + ", window " + std::to_string(window), &KernelPaths::flash_attention,
+    add_results(results, {{"flash attention, window " + std::to_string(window), &KernelPaths::flash_attention,
                            kBf16PathsBound}},
                 [&] { return std::vector<double>{attention_error(s, in_use, tokens, bos, window, stream)}; });
   return results;

@@ -19,6 +19,7 @@ struct Args {
     for (std::string& w : words_) pointers_.push_back(w.data());
   }
   int argc() const { return int(pointers_.size()); }
+  const std::vector<std::string>& words() const { return words_; }
   char** argv() { return pointers_.data(); }
 
  private:
@@ -291,7 +292,7 @@ std::string write_run_log(const std::string& dir, const std::vector<std::string>
   Hyperparameters h;
   CHECK(parse_flags(args.argc(), args.argv(), h));
   RunLog log(dir, new_run_id());
-  log.header(trainer_source(), "gpu: a test's\n" + run_settings_report(h, ProcessGroupEnv{}, command_line(args.argc(), args.argv()),
+  log.header(trainer_source(), "gpu: a test's\n" + run_settings_report(h, ProcessGroupEnv{}, command_line(args.words()),
                                                                          check_data(h)));
   log.line(validation_line(0, 3, 10.8, 0.0), false);
   for (int step = 1; step <= 3; ++step) log.line(train_step_line(step, 3, 100.0 * step + final_loss), false);
@@ -310,7 +311,7 @@ TEST_CASE("the log's head says what made the run; tools/records.py reads it back
   ProcessGroupEnv g;
   g.world_size = g.local_world_size = 2;
   g.launcher = "torchrun";
-  const std::string report = run_settings_report(h, g, command_line(args.argc(), args.argv()), check_data(h));
+  const std::string report = run_settings_report(h, g, command_line(args.words()), check_data(h));
   CHECK(report.rfind("command: train_gpt --train-files 'data/sample/sample_train_*.bin' --val-files "
                      "'data/sample/sample_val_*.bin' --seq-len 16384 --micro-batches 1 --num-iterations 3",
                      0) == 0);
@@ -333,8 +334,7 @@ TEST_CASE("the log's head says what made the run; tools/records.py reads it back
   CHECK(shards == 2);
   CHECK(report.find("shard: train-files data/sample/sample_train_000001.bin 2801024 bytes, token hash ") !=
         std::string::npos);
-  CHECK(command_line(2, std::vector<char*>{const_cast<char*>("a"), const_cast<char*>("it's")}.data()) ==
-        "a 'it'\\''s'");
+  CHECK(command_line({"a", "it's"}) == "a 'it'\\''s'");
 
   const std::string dir = temp_dir("settings_logs");
   std::vector<std::string> seeded = sample, rekls = sample;
@@ -593,4 +593,88 @@ TEST_CASE("the optimizers' plan: DistAdam on the embeddings, head and scalars; M
   for (const MuonGroup& g : plan.muon) members.push_back(g.params.size());
   CHECK(members == (std::vector<size_t>{11, 11, 12, 12}));
   CHECK(plan.adam.back().rows_per_rank == 8);  // the 64 scalars over 8 ranks
+}
+
+// The self-check's processes (kernels/self_check_process.cuh), played by a script that reports
+// the flash attention and FP8 head checks, its fused backward's window-3 check doing what `mode` says.
+std::vector<SelfCheckResult> checked_by_script(const std::string& mode, const KernelPaths& paths = KernelPaths{},
+                                               double seconds = 2) {
+  return self_check_process::check_in_processes("/bin/bash", {"bash", "tests/cli/fake_self_check_process.sh", mode},
+                                                paths, seconds);
+}
+
+TEST_CASE("the self-check's processes: the paths they are told and the lines they report read back") {
+  using namespace self_check_process;
+  KernelPaths p;
+  p.fp8_head = false;
+  p.fused_qkv = true;
+  const KernelPaths back = with_switches(KernelPaths{}, switches_text(p));
+  for (const auto& [name, member] : switches()) CHECK(back.*member == p.*member);
+  CHECK_THROWS_WITH(with_switches(KernelPaths{}, "flash_attention=1"), "SPEEDRUN_SELF_CHECK_PATHS",
+                    "no fused_attention_backward=");
+
+  Report r = read_report({"@group\t2", "@spec\tFP8 head\t0x1p-7\tFP8 head logits",
+                          "@spec\tfused e5m2 gradient\t0x1p-10\tfused e5m2 gradient", "a line of its own",
+                          "@stopped\tunspecified launch failure"});
+  CHECK(r.results.empty() && !r.done);
+  CHECK(r.unfinished.size() == 2 && r.unfinished[1].path == &KernelPaths::fused_e5m2_gradient);
+  CHECK(r.unfinished[0].name == "FP8 head logits" && r.unfinished[0].bound == 0x1p-7);
+  CHECK(r.stopped == "unspecified launch failure");
+  CHECK(r.other_lines == std::vector<std::string>{"a line of its own"});
+  r = read_report({"@group\t1", "@spec\tbatched Muon\t0x1p-7\tbatched Muon 768x768",
+                   "@result\tbatched Muon\tinf\t0x1p-7\tbatched Muon 768x768\tcuBLASLt refused", "@done"});
+  CHECK(r.unfinished.empty() && r.done && r.results.size() == 1);
+  CHECK(r.results[0].path == &KernelPaths::batched_muon && std::isinf(r.results[0].error));
+  CHECK(r.results[0].line() == "self-check batched Muon 768x768: cuBLASLt refused FAILED");
+  CHECK_THROWS_WITH(read_report({"@result\tFP8 head\t1"}), "malformed line");
+  CHECK_THROWS_WITH(read_report({"@spec\tno such path\t1\tx"}), "no fast path named 'no such path'");
+}
+
+TEST_CASE("the self-check's processes: a check that hangs, stops the GPU or ends its process fails; the rest go on") {
+  setenv("CUDA_INJECTION64_PATH", "build/libkernel_profile.so", 1);  // not passed on: the run's profile is the run's
+  const std::vector<SelfCheckResult> passed = checked_by_script("pass");
+  unsetenv("CUDA_INJECTION64_PATH");
+  CHECK(passed.size() == 4);  // flash attention at 3 windows, the FP8 head
+  for (const SelfCheckResult& r : passed) CHECK(r.passed() && r.failure.empty());
+  CHECK(passed[3].name == "FP8 head logits" && passed[3].error == 0x1p-10);
+
+  const auto start = std::chrono::steady_clock::now();
+  for (const auto& [mode, failure] : std::vector<std::pair<std::string, std::string>>{
+           {"hang", "hung: no result in 1 s (its process was ended)"},
+           {"stop", "stopped the GPU (an illegal memory access was encountered): its process ended"},
+           {"die", "its process ended (signal 11 (Segmentation fault))"}}) {
+    const std::vector<SelfCheckResult> results = checked_by_script(mode, KernelPaths{}, 1);
+    // window 1 passed, window 3 failed; the next process had flash attention off: the FP8 head
+    CHECK(results.size() == 3);
+    CHECK(results[0].name == "flash attention, window 1" && results[0].passed());
+    CHECK(results[1].name == "flash attention, window 3" && !results[1].passed());
+    CHECK(results[1].line() == "self-check flash attention, window 3: " + failure + " FAILED");
+    CHECK(results[2].name == "FP8 head logits" && results[2].passed());
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(20));  // the hang cost its 1 s, not 60
+
+  KernelPaths no_flash;
+  no_flash.flash_attention = false;
+  CHECK(checked_by_script("hang", no_flash).size() == 1);  // nothing hangs where the path is off
+  CHECK_THROWS_WITH(checked_by_script("early"), "the self-check's process ended (exit 4)", "outside its checks");
+}
+
+TEST_CASE("a fused backward that hangs in its own process: fallback takes the two-kernel flash path, strict stops") {
+  Hyperparameters h;
+  const PathChecks script = [](const KernelPaths& paths) { return checked_by_script("hang", paths, 1); };
+  const SelfCheckOutcome outcome = self_check_paths(h, nullptr, script);
+  CHECK(outcome.failed_here && outcome.failed_paths == "flash attention");
+  CHECK(outcome.paths.flash_attention && !outcome.paths.fused_attention_backward && outcome.paths.fp8_head);
+  const std::string report = outcome.report();
+  CHECK(report.find("self-check flash attention, window 3: hung: no result in 1 s") != std::string::npos);
+  CHECK(report.find("self-check: 6 checks, 1 failed, ") != std::string::npos);
+  CHECK(report.find("(3 of them after a fallback, below)") != std::string::npos);
+  CHECK(report.find("self-check flash attention (flash-split), window 14: rel. error 1.95e-03 (bound 1e-02) ok") !=
+        std::string::npos);
+  CHECK(report.find("self-check fallback: flash attention (its fused backward or warp-specialised forward) failed "
+                    "here; the two-kernel flash path passed") != std::string::npos);
+
+  h.self_check = "strict";
+  const SelfCheckOutcome strict = self_check_paths(h, nullptr, script);
+  CHECK_THROWS_WITH(strict.stop_if_strict(h), "self-check failed: flash attention");
 }

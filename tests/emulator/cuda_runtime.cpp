@@ -322,7 +322,11 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
   if (device != 0) return cudaErrorInvalidDevice;
-  if (attribute != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;  // the only one asked
+  if (attribute == cudaDevAttrComputeMode) {  // any number of processes may use it
+    *value = cudaComputeModeDefault;
+    return cudaSuccess;
+  }
+  if (attribute != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;  // the only others asked
   *value = kEmulatedMultiprocessors;
   return cudaSuccess;
 }

@@ -13,6 +13,8 @@ trap 'rm -rf "$work"' EXIT
   --val-every 10 --warmup-steps 2 --log-dir "$work/logs" --checkpoint-dir "$work/checkpoints" | tee "$work/console.txt"
 log=$(ls "$work"/logs/*.txt)
 echo "the trainer reports: $(grep -m1 '^Running CUDA driver' "$log")"  # versions, for tools/acceptance.sh
+# the start-up self-check ran (in its own processes) and every fast path passed
+grep -qE '^self-check: [0-9]+ checks, 0 failed' "$log" || { echo "FAILED: no passing self-check summary in $log"; exit 1; }
 losses=$(grep -E '^step:[0-9]+/30 val_loss:' "$log" | sed -E 's/.*val_loss:([^ ]+).*/\1/')
 echo "validation losses: $(echo $losses)"
 [[ $(echo "$losses" | wc -l) -eq 4 ]] || { echo "FAILED: expected 4 validation lines in $log"; exit 1; }

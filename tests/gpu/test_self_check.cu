@@ -73,14 +73,54 @@ std::pair<double, std::vector<std::vector<double>>> gradients_on(const KernelPat
   return {loss, grads};
 }
 
+// What the self-check's own process would report while `checks` run (its standard output, as
+// report_each_group writes it), read back as the trainer reads it.
+template <class Checks>
+self_check_process::Report reported_while(Checks&& checks) {
+  std::fflush(stdout);
+  const int saved = dup(STDOUT_FILENO);
+  std::FILE* captured = std::tmpfile();
+  dup2(fileno(captured), STDOUT_FILENO);
+  self_check_process::report_each_group();
+  checks();
+  self_check::check_listener() = {};
+  std::fflush(stdout);
+  dup2(saved, STDOUT_FILENO);
+  close(saved);
+  std::rewind(captured);
+  std::vector<std::string> lines;
+  for (char line[4096]; std::fgets(line, sizeof line, captured);) lines.emplace_back(line, std::strcspn(line, "\n"));
+  std::fclose(captured);
+  return self_check_process::read_report(lines);
+}
+
+// The results as the trainer read them from the report equal the results, to the bit.
+void check_reported(const self_check_process::Report& report, const std::vector<SelfCheckResult>& results) {
+  CHECK(report.unfinished.empty() && report.stopped.empty() && report.other_lines.empty());
+  CHECK(report.results.size() == results.size());
+  for (size_t i = 0; i < std::min(report.results.size(), results.size()); ++i) {
+    const SelfCheckResult &read = report.results[i], &r = results[i];
+    CHECK(read.name == r.name && read.path == r.path && read.bound == r.bound && read.failure == r.failure);
+    CHECK(std::memcmp(&read.error, &r.error, sizeof r.error) == 0);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("with no fault every fast path passes its self-check, and the run keeps every fast path") {
-  const SelfCheckOutcome outcome = self_check_with(Hyperparameters{}, Fault::none);
+  // its checks as the self-check's own process runs them, reporting each group
+  std::vector<SelfCheckResult> results;
+  self_check_process::Report report;
+  const PathChecks reporting = [&](const KernelPaths& paths) {
+    report = reported_while([&] { results = checks_in_this_process(small_shape(), nullptr, 511, nullptr)(paths); });
+    return results;
+  };
+  const SelfCheckOutcome outcome = self_check_paths(Hyperparameters{}, nullptr, reporting);
   for (const std::string& line : outcome.lines) std::printf("  %s\n", line.c_str());
   CHECK(!outcome.failed_here && outcome.failed_paths.empty());
   CHECK(same_paths(outcome.paths, KernelPaths{}));
   CHECK(outcome.lines.back().find("self-check: 11 checks, 0 failed") == 0);
+  check_reported(report, results);
 }
 
 TEST_CASE("a wrong fast path fails its own checks only; fallback takes its reference flag's path, strict stops") {
@@ -181,11 +221,16 @@ TEST_CASE("wrong newest flash kernels: fallback takes the two-kernel flash path 
 
 TEST_CASE("a check that throws (a library refusing on new hardware) fails its path instead of ending the rank") {
   std::vector<SelfCheckResult> results;
-  self_check::add_results(results, {{"batched Muon 3x3", &KernelPaths::batched_muon, 1e-2}},
-                          []() -> std::vector<double> { throw std::runtime_error("cuBLASLt has no algorithm"); });
+  const self_check_process::Report report = reported_while([&] {
+    self_check::add_results(results, {{"batched Muon 3x3", &KernelPaths::batched_muon, 1e-2}},
+                            []() -> std::vector<double> { throw std::runtime_error("cuBLASLt has\tno algorithm"); });
+  });
   CHECK(results.size() == 1 && !results[0].passed());
   std::printf("  %s\n", results[0].line().c_str());
-  CHECK(results[0].line() == "self-check batched Muon 3x3: cuBLASLt has no algorithm FAILED");
+  CHECK(results[0].line() == "self-check batched Muon 3x3: cuBLASLt has\tno algorithm FAILED");
+  // its own process reports it on one line, the tab a space
+  results[0].failure = "cuBLASLt has no algorithm";
+  check_reported(report, results);
 }
 
 TEST_CASE("--self-check off runs nothing and keeps the flags' paths") {

@@ -1,0 +1,118 @@
+// A child process read line by line, each line within a time limit: the trainer runs its start-up
+// self-check in one (kernels/self_check_process.cuh), so that a kernel that hangs or stops the GPU
+// ends that process, not the run. POSIX only (posix_spawn, poll, waitpid).
+#pragma once
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+struct ChildOutcome {
+  std::vector<std::string> lines;  // what it wrote to its standard output, line by line
+  bool timed_out = false;          // no line came within the limit: the child was killed (SIGKILL)
+  int exit_status = -1;            // its exit status, or -1 where a signal ended it
+  int signal = 0;                  // the signal that ended it (0: it exited)
+
+  // "exit 3", "signal 11 (Segmentation fault)": how it ended, for messages.
+  std::string ending() const {
+    if (signal == 0) return "exit " + std::to_string(exit_status);
+    return "signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
+  }
+};
+
+// The path of this process's executable (where a child of the same program is started from).
+inline std::string this_executable() {
+  std::vector<char> path(4096);
+  const ssize_t n = readlink("/proc/self/exe", path.data(), path.size() - 1);
+  if (n <= 0) throw std::runtime_error(std::string("cannot read /proc/self/exe: ") + std::strerror(errno));
+  return std::string(path.data(), size_t(n));
+}
+
+// Runs `program` with `args` (args[0] is its argv[0]) and this process's environment changed by
+// `environment_changes` ("NAME=value" sets NAME, "NAME" removes it), its standard output read here and
+// its standard error this process's. Waits until it ends; where `seconds_per_line` pass without a
+// line (or its end), kills it. Throws where it cannot be started.
+inline ChildOutcome run_child(const std::string& program, const std::vector<std::string>& args,
+                              const std::vector<std::string>& environment_changes, double seconds_per_line) {
+  auto fail = [](const std::string& what) {
+    throw std::runtime_error("cannot start a child process (" + what + "): " + std::strerror(errno));
+  };
+  std::vector<std::string> environment;
+  for (char** e = environ; *e; ++e) environment.emplace_back(*e);
+  for (const std::string& change : environment_changes) {
+    const size_t equals = change.find('=');
+    const std::string name = change.substr(0, equals) + "=";
+    environment.erase(std::remove_if(environment.begin(), environment.end(),
+                                     [&](const std::string& e) { return e.rfind(name, 0) == 0; }),
+                      environment.end());
+    if (equals != std::string::npos) environment.push_back(change);
+  }
+  std::vector<char*> argv, envp;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  for (const std::string& e : environment) envp.push_back(const_cast<char*>(e.c_str()));
+  argv.push_back(nullptr);
+  envp.push_back(nullptr);
+
+  int out[2];
+  if (pipe2(out, O_CLOEXEC) != 0) fail("pipe");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);  // dup2 clears close-on-exec
+  pid_t pid = 0;
+  const int spawned = posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  close(out[1]);
+  if (spawned != 0) {
+    close(out[0]);
+    errno = spawned;
+    fail(program);
+  }
+
+  ChildOutcome outcome;
+  std::string pending;
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                  std::chrono::duration<double>(seconds_per_line));
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) {
+      outcome.timed_out = true;
+      kill(pid, SIGKILL);
+      break;
+    }
+    pollfd p{out[0], POLLIN, 0};
+    const int ready = poll(&p, 1, int(std::min<long long>(left, 1000)));
+    if (ready < 0 && errno != EINTR) break;
+    if (ready <= 0) continue;
+    char buffer[4096];
+    const ssize_t n = read(out[0], buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // its end (or an error reading: the wait below says how it ended)
+    pending.append(buffer, size_t(n));
+    for (size_t end; (end = pending.find('\n')) != std::string::npos; pending.erase(0, end + 1)) {
+      outcome.lines.push_back(pending.substr(0, end));
+      deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(seconds_per_line));
+    }
+  }
+  close(out[0]);
+  if (!pending.empty()) outcome.lines.push_back(pending);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(status)) outcome.exit_status = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) outcome.signal = WTERMSIG(status);
+  return outcome;
+}
