@@ -2684,10 +2684,11 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, DeviceCommuni
 // fails alike): no fallback can follow, so the run stops naming the checks that failed.
 inline PathChecks checks_in_this_process(const SelfCheckShape& shape, const ValidationPlan* val, uint16_t bos,
                                          cudaStream_t stream) {
-  auto matmul = std::make_shared<Matmul>();
+  auto matmul = std::make_shared<std::unique_ptr<Matmul>>();  // made at the first check (none where they run elsewhere)
   const std::vector<uint16_t> layout = self_check_layout(val, shape.attention_tokens, bos);
   return [=](const KernelPaths& paths) {
-    const std::vector<SelfCheckResult> results = run_self_check(shape, paths, layout.data(), bos, *matmul, stream);
+    if (!*matmul) *matmul = std::make_unique<Matmul>();
+    const std::vector<SelfCheckResult> results = run_self_check(shape, paths, layout.data(), bos, **matmul, stream);
     if (const cudaError_t error = cudaDeviceSynchronize(); error != cudaSuccess) {
       std::string failed;
       for (const SelfCheckResult& r : results)
@@ -2710,17 +2711,18 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
 
 // The run's checks: in processes of their own (this trainer started again with `args`:
 // kernels/self_check_process.cuh), so that a kernel that hangs or stops the GPU fails its path
-// instead of ending the run; in this process where there are no `args` (tests) or where the GPU
-// admits one process (exclusive-process compute mode).
-inline PathChecks run_checks(const std::vector<std::string>& args, const PathChecks& here) {
+// instead of ending the run, each line they report calling `on_progress`; in this process where
+// there are no `args` (tests) or where the GPU admits one process (exclusive-process compute mode).
+inline PathChecks run_checks(const std::vector<std::string>& args, const PathChecks& here,
+                             const std::function<void()>& on_progress = nullptr) {
   if (args.empty()) return here;
   int device = 0, mode = cudaComputeModeDefault;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device));
   if (mode == cudaComputeModeExclusiveProcess) return here;
-  const std::string program = this_executable();
-  return [program, args](const KernelPaths& paths) {
-    return self_check_process::check_in_processes(program, args, paths);
+  return [args, on_progress](const KernelPaths& paths) {
+    return self_check_process::check_in_processes(kThisProgram, args, paths, self_check_process::kSecondsPerGroup,
+                                                  on_progress);
   };
 }
 
@@ -2808,7 +2810,8 @@ class TrainingRun {
     const SelfCheckShape shape = self_check_shape(config_);
     const SelfCheckOutcome self_check = self_check_paths(
         h, comm_.get(),
-        run_checks(args, checks_in_this_process(shape, &val_, config_.bos_token, step_stream_.get())));
+        run_checks(args, checks_in_this_process(shape, &val_, config_.bos_token, step_stream_.get()),
+                   [this] { beat("self-check"); }));
     if (comm_->rank() == 0 || self_check.failed_here) std::printf("%s", self_check.report().c_str());
     for (const std::string& line : self_check.lines)
       if (comm_->rank() == 0 && line.rfind("self-check fallback:", 0) == 0)
@@ -3070,15 +3073,18 @@ inline void share_one_gpu(const ProcessGroupEnv& g) {
 }
 
 // The process the run's checks start (SPEEDRUN_SELF_CHECK_PATHS: the paths to check): the checks
-// on this rank's GPU, on the run's attention layout, each group reported as it goes.
+// on this rank's GPU, on the run's attention layout, each group reported as it goes (but those an
+// earlier process ran).
 inline int self_check_process_main(const Hyperparameters& h, const std::string& paths) {
+  end_with_parent(self_check_process::kParentVariable);  // a hung check must not hold the GPU past its run
   require_hopper_gpu(select_gpu(launcher_environment().local_rank));
   const GPTConfig c;
   const StepStream stream;
   std::unique_ptr<ValidationPlan> val;  // --self-check-only reads no data: random documents
   if (!h.self_check_only) val = std::make_unique<ValidationPlan>(h.val_files, h.val_tokens, h.val_seq_len, kTokenizerVocab);
   const SelfCheckShape shape = self_check_shape(c);
-  self_check_process::report_each_group();
+  const char* done = std::getenv(self_check_process::kDoneVariable);
+  self_check_process::report_each_group(done ? done : "");
   checks_in_this_process(shape, val.get(), c.bos_token, stream.get())(self_check_process::with_switches(paths_of(h), paths));
   std::printf("@done\n");
   return 0;

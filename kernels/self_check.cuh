@@ -432,10 +432,11 @@ struct CheckSpec {
   double bound;
 };
 
-// Told of each group of checks before it runs and of its results after: the self-check's own
-// process reports them to the trainer as they come (kernels/self_check_process.cuh). Unset: nothing.
+// Told of each group of checks before it runs (and says whether it is to run) and of its results
+// after: the self-check's own process reports them to the trainer as they come, and skips the groups
+// an earlier process has run (kernels/self_check_process.cuh). Unset: every group runs, untold.
 struct CheckListener {
-  std::function<void(const std::vector<CheckSpec>&)> starting;
+  std::function<bool(const std::vector<CheckSpec>&)> starting;
   std::function<void(const SelfCheckResult* first, size_t count)> finished;
 };
 inline CheckListener& check_listener() {
@@ -445,7 +446,7 @@ inline CheckListener& check_listener() {
 
 template <class Errors>
 void add_results(std::vector<SelfCheckResult>& results, const std::vector<CheckSpec>& specs, Errors errors) {
-  if (check_listener().starting) check_listener().starting(specs);
+  if (check_listener().starting && !check_listener().starting(specs)) return;
   std::vector<double> values;
   std::string failure;
   try {

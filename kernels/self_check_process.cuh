@@ -2,8 +2,9 @@
 // leaves its process's GPU context unusable, and one that hangs (a turn or a barrier phase that
 // never comes) holds it for ever: in the trainer's own process either would end the run, where the
 // self-check is there to fall back. So the trainer (train_gpt.cu) starts itself again with
-// SPEEDRUN_SELF_CHECK_PATHS naming the paths to check; that process runs run_self_check and
-// reports each group of checks as it starts and ends, on its standard output:
+// SPEEDRUN_SELF_CHECK_PATHS naming the paths to check (and SPEEDRUN_SELF_CHECK_PARENT its pid,
+// SPEEDRUN_SELF_CHECK_DONE the groups of checks an earlier process ran); that process runs
+// run_self_check and reports each group of checks as it starts and ends, on its standard output:
 //   @group <count>                                  a group of checks starts (add_results' specs)
 //   @spec <path> <bound> <check name>               count lines: the group's checks
 //   @result <path> <error> <bound> <check name> <failure>   after the group, one per check
@@ -11,7 +12,7 @@
 //   @done                                           every check ran
 // (fields separated by tabs; numbers as C's %a, exact). Where the process hangs in a group (no
 // line within the time limit: it is killed) or ends in one, that group's checks fail with what
-// happened, and the paths not yet checked are checked in a new process.
+// happened, and a new process runs the groups after it, without that group's paths.
 #pragma once
 #include "kernels/host/child_process.h"
 #include "kernels/self_check.cuh"
@@ -25,6 +26,8 @@
 namespace self_check_process {
 
 constexpr const char* kPathsVariable = "SPEEDRUN_SELF_CHECK_PATHS";
+constexpr const char* kParentVariable = "SPEEDRUN_SELF_CHECK_PARENT";
+constexpr const char* kDoneVariable = "SPEEDRUN_SELF_CHECK_DONE";  // the first check name of each group, tab-separated
 
 // A group of checks may take this long before its process counts as hung: on a GPU each takes well
 // under a second (the first a few, with the libraries' start), and the fused attention backward's
@@ -91,14 +94,17 @@ inline std::string one_line(std::string text) {
 
 // ---- the process that checks: run_self_check's groups reported as they go ----------------------
 
-// Installs the listener that reports each group (before it runs, and its results after), and ends
-// the process where a group left the GPU stopped (a sticky error: every later call would fail).
-inline void report_each_group() {
-  self_check::check_listener().starting = [](const std::vector<self_check::CheckSpec>& specs) {
+// Installs the listener that reports each group (before it runs, and its results after) and skips
+// the groups named in `done` (an earlier process ran them), and ends the process where a group
+// left the GPU stopped (a sticky error: every later call would fail).
+inline void report_each_group(const std::string& done) {
+  self_check::check_listener().starting = [done](const std::vector<self_check::CheckSpec>& specs) {
+    if (("\t" + done + "\t").find("\t" + specs.front().name + "\t") != std::string::npos) return false;
     std::printf("@group\t%zu\n", specs.size());
     for (const self_check::CheckSpec& s : specs)
-      std::printf("@spec\t%s\t%s\t%s\n", name_of(s.path), number_text(s.bound).c_str(), s.name.c_str());
+      std::printf("@spec\t%s\t%s\t%s\n", name_of(s.path), number_text(s.bound).c_str(), one_line(s.name).c_str());
     std::fflush(stdout);
+    return true;
   };
   self_check::check_listener().finished = [](const SelfCheckResult* first, size_t count) {
     if (const cudaError_t error = cudaDeviceSynchronize(); error != cudaSuccess) {
@@ -111,7 +117,7 @@ inline void report_each_group() {
     }
     for (const SelfCheckResult* r = first; r != first + count; ++r)
       std::printf("@result\t%s\t%s\t%s\t%s\t%s\n", name_of(r->path), number_text(r->error).c_str(),
-                  number_text(r->bound).c_str(), r->name.c_str(), one_line(r->failure).c_str());
+                  number_text(r->bound).c_str(), one_line(r->name).c_str(), one_line(r->failure).c_str());
     std::fflush(stdout);
   };
 }
@@ -119,8 +125,9 @@ inline void report_each_group() {
 // ---- the trainer: what the processes reported ---------------------------------------------------
 
 struct Report {
-  std::vector<SelfCheckResult> results;          // the groups that ended
-  std::vector<self_check::CheckSpec> unfinished;  // the group that started and did not end
+  std::vector<SelfCheckResult> results;          // the checks that ended
+  std::vector<self_check::CheckSpec> unfinished;  // the checks of a group that started and did not end
+  std::vector<std::string> groups;                // the first check of each group that started
   std::string stopped;                            // CUDA's error, where the GPU stopped
   bool done = false;
   std::vector<std::string> other_lines;  // anything else it printed
@@ -142,15 +149,21 @@ inline Report read_report(const std::vector<std::string>& lines) {
     };
     if (kind == "@group") {
       need(2);
-      report.unfinished.clear();
+      if (!report.unfinished.empty()) throw std::runtime_error("self-check process: a group started in another: '" + line + "'");
+      report.groups.emplace_back();
     } else if (kind == "@spec") {
       need(4);
+      if (report.groups.empty()) throw std::runtime_error("self-check process: a check outside a group: '" + line + "'");
+      if (report.groups.back().empty()) report.groups.back() = fields[3];
       report.unfinished.push_back({fields[3], path_named(fields[1]).member, std::strtod(fields[2].c_str(), nullptr)});
     } else if (kind == "@result") {
       need(6);
       report.results.push_back({fields[4], path_named(fields[1]).member, std::strtod(fields[2].c_str(), nullptr),
                                 std::strtod(fields[3].c_str(), nullptr), fields[5]});
-      report.unfinished.clear();  // a group's results come together
+      auto& u = report.unfinished;
+      const auto spec = std::find_if(u.begin(), u.end(), [&](const auto& s) { return s.name == fields[4]; });
+      if (spec == u.end()) throw std::runtime_error("self-check process: a result of no check started: '" + line + "'");
+      u.erase(spec);
     } else if (kind == "@stopped") {
       need(2);
       report.stopped = fields[1];
@@ -163,39 +176,51 @@ inline Report read_report(const std::vector<std::string>& lines) {
   return report;
 }
 
-// run_self_check's results for `paths`, each group run in a process started as `program` `args`
-// (the trainer itself: its arguments give the process the run's flags) and told the paths by
+// run_self_check's results for `paths`, its groups run in processes started as `program` `args`
+// (the trainer itself: its arguments give the process the run's flags), told the paths by
 // kPathsVariable. A group that hangs for `seconds`, stops the GPU or ends its process fails with
-// what happened; the paths that no group has checked yet go on in a new process.
+// what happened; a new process then runs the groups after it (the groups done are named to it by
+// kDoneVariable), that group's paths switched off. Each line read calls `on_progress` (the run's
+// watchdog beats).
 inline std::vector<SelfCheckResult> check_in_processes(const std::string& program, const std::vector<std::string>& args,
-                                                       KernelPaths paths, double seconds = kSecondsPerGroup) {
+                                                       KernelPaths paths, double seconds = kSecondsPerGroup,
+                                                       const std::function<void()>& on_progress = nullptr) {
+  char seconds_text[32];
+  std::snprintf(seconds_text, sizeof seconds_text, "%.0f", seconds);
   std::vector<SelfCheckResult> results;
+  std::string done;
   for (;;) {
     // Not profiled: a profiler injected into the run (tools/kernel_profile.cpp) writes its file as
     // its process ends, which must be the run's, not this one's.
-    const ChildOutcome child = run_child(
-        program, args, {std::string(kPathsVariable) + "=" + switches_text(paths), "CUDA_INJECTION64_PATH"}, seconds);
+    const ChildOutcome child = run_child(program, args,
+                                         {std::string(kPathsVariable) + "=" + switches_text(paths),
+                                          std::string(kParentVariable) + "=" + std::to_string(getpid()),
+                                          std::string(kDoneVariable) + "=" + done, "CUDA_INJECTION64_PATH"},
+                                         seconds, [&](const std::string&) {
+                                           if (on_progress) on_progress();
+                                         });
     const Report report = read_report(child.lines);
     for (const std::string& line : report.other_lines) std::printf("%s\n", line.c_str());
     results.insert(results.end(), report.results.begin(), report.results.end());
-    if (report.done && child.exit_status == 0 && !child.timed_out) return results;
+    for (const std::string& group : report.groups) done += (done.empty() ? "" : "\t") + group;  // the last one too
+    if (report.done) {  // every check ran: an end that went wrong after it changes no result
+      if (child.exit_status != 0)
+        std::fprintf(stderr, "WARNING: the self-check's process ended badly after its last check (%s%s)\n",
+                     child.ending().c_str(), child.timed_out ? ", killed" : "");
+      return results;
+    }
     if (report.unfinished.empty())
       throw std::runtime_error("the self-check's process ended (" + child.ending() +
-                               (child.timed_out ? ", killed after " + number_text(seconds) + " s without a line" : "") +
+                               (child.timed_out ? std::string(", killed after ") + seconds_text + " s without a line" : "") +
                                ") outside its checks: its error is above");
-    char seconds_text[32];
-    std::snprintf(seconds_text, sizeof seconds_text, "%.0f", seconds);
     const std::string failure =
         child.timed_out           ? std::string("hung: no result in ") + seconds_text + " s (its process was ended)"
         : !report.stopped.empty() ? "stopped the GPU (" + report.stopped + "): its process ended"
                                   : "its process ended (" + child.ending() + ")";
-    for (const self_check::CheckSpec& s : report.unfinished)
+    for (const self_check::CheckSpec& s : report.unfinished) {
       results.push_back({s.name, s.path, std::numeric_limits<double>::infinity(), s.bound, failure});
-    // The next process checks the paths no group has reached: the ones checked are switched off.
-    for (const SelfCheckResult& r : results) paths.*r.path = false;
-    bool left = false;
-    for (const FastPath& p : fast_paths()) left |= paths.*p.member;
-    if (!left) return results;
+      paths.*s.path = false;  // a path that failed: the checks that hang on it (qkv backward in attention on flash) go too
+    }
   }
 }
 

@@ -627,7 +627,15 @@ TEST_CASE("the self-check's processes: the paths they are told and the lines the
   CHECK(r.results[0].path == &KernelPaths::batched_muon && std::isinf(r.results[0].error));
   CHECK(r.results[0].line() == "self-check batched Muon 768x768: cuBLASLt refused FAILED");
   CHECK_THROWS_WITH(read_report({"@result\tFP8 head\t1"}), "malformed line");
-  CHECK_THROWS_WITH(read_report({"@spec\tno such path\t1\tx"}), "no fast path named 'no such path'");
+  CHECK_THROWS_WITH(read_report({"@group\t1", "@spec\tno such path\t1\tx"}), "no fast path named 'no such path'");
+  CHECK_THROWS_WITH(read_report({"@spec\tFP8 head\t1\tx"}), "a check outside a group");
+  CHECK_THROWS_WITH(read_report({"@group\t1", "@spec\tFP8 head\t1\tx", "@result\tFP8 head\t0\t1\ty\t"}),
+                    "a result of no check started");
+  // a group's results as they came, the rest of it unfinished
+  r = read_report({"@group\t2", "@spec\tFP8 head\t0x1p-7\tFP8 head logits", "@spec\tFP8 head\t0x1p-7\tFP8 head dx",
+                   "@result\tFP8 head\t0x1p-9\t0x1p-7\tFP8 head logits\t"});
+  CHECK(r.results.size() == 1 && r.unfinished.size() == 1 && r.unfinished[0].name == "FP8 head dx");
+  CHECK(r.groups == std::vector<std::string>{"FP8 head logits"});
 }
 
 TEST_CASE("the self-check's processes: a check that hangs, stops the GPU or ends its process fails; the rest go on") {
@@ -636,13 +644,13 @@ TEST_CASE("the self-check's processes: a check that hangs, stops the GPU or ends
   unsetenv("CUDA_INJECTION64_PATH");
   CHECK(passed.size() == 4);  // flash attention at 3 windows, the FP8 head
   for (const SelfCheckResult& r : passed) CHECK(r.passed() && r.failure.empty());
-  CHECK(passed[3].name == "FP8 head logits" && passed[3].error == 0x1p-10);
+  CHECK(passed[3].name == "FP8 head logits" && passed[3].error == 0x1p-9);
 
   const auto start = std::chrono::steady_clock::now();
   for (const auto& [mode, failure] : std::vector<std::pair<std::string, std::string>>{
            {"hang", "hung: no result in 1 s (its process was ended)"},
            {"stop", "stopped the GPU (an illegal memory access was encountered): its process ended"},
-           {"die", "its process ended (signal 11 (Segmentation fault))"}}) {
+           {"die", "its process ended (signal 9 (Killed))"}}) {
     const std::vector<SelfCheckResult> results = checked_by_script(mode, KernelPaths{}, 1);
     // window 1 passed, window 3 failed; the next process had flash attention off: the FP8 head
     CHECK(results.size() == 3);
@@ -656,6 +664,17 @@ TEST_CASE("the self-check's processes: a check that hangs, stops the GPU or ends
   KernelPaths no_flash;
   no_flash.flash_attention = false;
   CHECK(checked_by_script("hang", no_flash).size() == 1);  // nothing hangs where the path is off
+
+  // A hang after flash attention's checks: the next process runs the checks after it, flash
+  // attention's not again, the qkv backward (which runs only with flash attention on) still.
+  KernelPaths with_qkv_backward;
+  with_qkv_backward.qkv_backward_in_attention = true;
+  const std::vector<SelfCheckResult> after_fp8 = checked_by_script("hang-fp8", with_qkv_backward, 1);
+  std::vector<std::string> names;
+  for (const SelfCheckResult& r : after_fp8) names.push_back(r.name + (r.passed() ? "" : ": FAILED"));
+  CHECK(names == (std::vector<std::string>{"flash attention, window 1", "flash attention, window 3",
+                                           "flash attention, window 14", "FP8 head logits: FAILED",
+                                           "qkv backward in attention, window 14"}));
   CHECK_THROWS_WITH(checked_by_script("early"), "the self-check's process ended (exit 4)", "outside its checks");
 }
 
@@ -677,4 +696,28 @@ TEST_CASE("a fused backward that hangs in its own process: fallback takes the tw
   h.self_check = "strict";
   const SelfCheckOutcome strict = self_check_paths(h, nullptr, script);
   CHECK_THROWS_WITH(strict.stop_if_strict(h), "self-check failed: flash attention");
+}
+
+TEST_CASE("a self-check process ends with its parent, and refuses to run for anything else") {
+  // end_with_parent in a child whose variable holds `value`: 0 where it returns, 3 where it throws
+  auto in_child = [](const std::string* value) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      if (value) setenv("TEST_PARENT", value->c_str(), 1);
+      else unsetenv("TEST_PARENT");
+      try {
+        end_with_parent("TEST_PARENT");
+        std::_Exit(0);
+      } catch (const std::exception&) {
+        std::_Exit(3);
+      }
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  const std::string parent = std::to_string(getpid()), other = "4194305";  // above Linux's largest pid
+  CHECK(in_child(&parent) == 0);
+  CHECK(in_child(&other) == 3);
+  CHECK(in_child(nullptr) == 3);
 }

@@ -6,13 +6,16 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -32,20 +35,32 @@ struct ChildOutcome {
   }
 };
 
-// The path of this process's executable (where a child of the same program is started from).
-inline std::string this_executable() {
-  std::vector<char> path(4096);
-  const ssize_t n = readlink("/proc/self/exe", path.data(), path.size() - 1);
-  if (n <= 0) throw std::runtime_error(std::string("cannot read /proc/self/exe: ") + std::strerror(errno));
-  return std::string(path.data(), size_t(n));
+// A child process of the program that runs this one: the kernel starts the file this process was
+// started from, even where a build has replaced or deleted it since.
+constexpr const char* kThisProgram = "/proc/self/exe";
+
+// In a child that must not outlive its parent (one holding a GPU, say): ends this process with
+// SIGKILL when the parent ends, and at once where it has ended already (the parent's pid, which
+// the parent put in the environment variable `parent_variable`, is no longer this one's parent).
+// Throws where the variable is not this process's parent's pid.
+inline void end_with_parent(const char* parent_variable) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  const char* parent = std::getenv(parent_variable);
+  if (!parent || std::to_string(getppid()) != parent) {
+    if (parent && getppid() == 1) std::_Exit(1);  // the parent has ended
+    throw std::runtime_error(std::string(parent_variable) + " is not this process's parent's pid: it was " +
+                             "started by something else (unset the variable)");
+  }
 }
 
 // Runs `program` with `args` (args[0] is its argv[0]) and this process's environment changed by
-// `environment_changes` ("NAME=value" sets NAME, "NAME" removes it), its standard output read here and
-// its standard error this process's. Waits until it ends; where `seconds_per_line` pass without a
-// line (or its end), kills it. Throws where it cannot be started.
+// `environment_changes` ("NAME=value" sets NAME, "NAME" removes it), its standard output read here
+// (each line also to `on_line`, if given, as it comes) and its standard error this process's.
+// Waits until it ends; where `seconds_per_line` pass without a line (or its end), kills it. A last
+// line without its newline (the child ended writing it) is dropped. Throws where it cannot be started.
 inline ChildOutcome run_child(const std::string& program, const std::vector<std::string>& args,
-                              const std::vector<std::string>& environment_changes, double seconds_per_line) {
+                              const std::vector<std::string>& environment_changes, double seconds_per_line,
+                              const std::function<void(const std::string&)>& on_line = nullptr) {
   auto fail = [](const std::string& what) {
     throw std::runtime_error("cannot start a child process (" + what + "): " + std::strerror(errno));
   };
@@ -94,21 +109,28 @@ inline ChildOutcome run_child(const std::string& program, const std::vector<std:
     }
     pollfd p{out[0], POLLIN, 0};
     const int ready = poll(&p, 1, int(std::min<long long>(left, 1000)));
-    if (ready < 0 && errno != EINTR) break;
-    if (ready <= 0) continue;
-    char buffer[4096];
-    const ssize_t n = read(out[0], buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;  // its end (or an error reading: the wait below says how it ended)
-    pending.append(buffer, size_t(n));
+    if (ready < 0 && errno == EINTR) continue;
+    ssize_t n = -1;
+    if (ready > 0) {
+      char buffer[4096];
+      n = read(out[0], buffer, sizeof buffer);
+      if (n < 0 && errno == EINTR) continue;
+      if (n > 0) pending.append(buffer, size_t(n));
+    }
+    if (ready == 0) continue;
+    if (n == 0) break;  // its end
+    if (n < 0) {        // poll or read failed: nothing more can be read, so the child is not waited for
+      kill(pid, SIGKILL);
+      break;
+    }
     for (size_t end; (end = pending.find('\n')) != std::string::npos; pending.erase(0, end + 1)) {
       outcome.lines.push_back(pending.substr(0, end));
+      if (on_line) on_line(outcome.lines.back());
       deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(seconds_per_line));
     }
   }
   close(out[0]);
-  if (!pending.empty()) outcome.lines.push_back(pending);
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }

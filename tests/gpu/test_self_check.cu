@@ -74,14 +74,14 @@ std::pair<double, std::vector<std::vector<double>>> gradients_on(const KernelPat
 }
 
 // What the self-check's own process would report while `checks` run (its standard output, as
-// report_each_group writes it), read back as the trainer reads it.
+// report_each_group writes it, skipping the groups `done` names), read back as the trainer reads it.
 template <class Checks>
-self_check_process::Report reported_while(Checks&& checks) {
+self_check_process::Report reported_while(Checks&& checks, const std::string& done = "") {
   std::fflush(stdout);
   const int saved = dup(STDOUT_FILENO);
   std::FILE* captured = std::tmpfile();
   dup2(fileno(captured), STDOUT_FILENO);
-  self_check_process::report_each_group();
+  self_check_process::report_each_group(done);
   checks();
   self_check::check_listener() = {};
   std::fflush(stdout);
@@ -231,6 +231,15 @@ TEST_CASE("a check that throws (a library refusing on new hardware) fails its pa
   // its own process reports it on one line, the tab a space
   results[0].failure = "cuBLASLt has no algorithm";
   check_reported(report, results);
+  // and where an earlier process ran the group, skips it
+  std::vector<SelfCheckResult> none;
+  const self_check_process::Report skipped = reported_while(
+      [&] {
+        self_check::add_results(none, {{"batched Muon 3x3", &KernelPaths::batched_muon, 1e-2}},
+                                []() -> std::vector<double> { throw std::runtime_error("ran"); });
+      },
+      "FP8 head logits\tbatched Muon 3x3");
+  CHECK(none.empty() && skipped.groups.empty() && skipped.results.empty());
 }
 
 TEST_CASE("--self-check off runs nothing and keeps the flags' paths") {
