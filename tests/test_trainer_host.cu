@@ -676,6 +676,9 @@ TEST_CASE("the self-check's processes: a check that hangs, stops the GPU or ends
                                            "flash attention, window 14", "FP8 head logits: FAILED",
                                            "qkv backward in attention, window 14"}));
   CHECK_THROWS_WITH(checked_by_script("early"), "the self-check's process ended (exit 4)", "outside its checks");
+  // an end that went wrong after every check keeps the results; a last line cut off is no line
+  CHECK(checked_by_script("fail-after-done").size() == 4);
+  CHECK_THROWS_WITH(checked_by_script("cut-off"), "the self-check's process ended (exit 0)", "outside its checks");
 }
 
 TEST_CASE("a fused backward that hangs in its own process: fallback takes the two-kernel flash path, strict stops") {
@@ -707,7 +710,9 @@ TEST_CASE("a self-check process ends with its parent, and refuses to run for any
       else unsetenv("TEST_PARENT");
       try {
         end_with_parent("TEST_PARENT");
-        std::_Exit(0);
+        int signal = 0;
+        prctl(PR_GET_PDEATHSIG, &signal);
+        std::_Exit(signal == SIGKILL ? 0 : 4);  // it ends when its parent does
       } catch (const std::exception&) {
         std::_Exit(3);
       }
@@ -716,8 +721,10 @@ TEST_CASE("a self-check process ends with its parent, and refuses to run for any
     waitpid(pid, &status, 0);
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   };
-  const std::string parent = std::to_string(getpid()), other = "4194305";  // above Linux's largest pid
+  const std::string parent = std::to_string(getpid()), other = std::to_string(getppid());  // a live process
+  const std::string ended = "4194305";  // above Linux's largest pid: as a parent that has ended
   CHECK(in_child(&parent) == 0);
   CHECK(in_child(&other) == 3);
   CHECK(in_child(nullptr) == 3);
+  CHECK(in_child(&ended) == 1);  // quietly
 }

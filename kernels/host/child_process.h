@@ -40,17 +40,17 @@ struct ChildOutcome {
 constexpr const char* kThisProgram = "/proc/self/exe";
 
 // In a child that must not outlive its parent (one holding a GPU, say): ends this process with
-// SIGKILL when the parent ends, and at once where it has ended already (the parent's pid, which
-// the parent put in the environment variable `parent_variable`, is no longer this one's parent).
-// Throws where the variable is not this process's parent's pid.
+// SIGKILL when the parent ends, and at once where it has ended already (the pid that the parent put
+// in the environment variable `parent_variable` is no longer this one's parent, and no process has
+// it). Throws where the variable is not this process's parent's pid.
 inline void end_with_parent(const char* parent_variable) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   const char* parent = std::getenv(parent_variable);
-  if (!parent || std::to_string(getppid()) != parent) {
-    if (parent && getppid() == 1) std::_Exit(1);  // the parent has ended
-    throw std::runtime_error(std::string(parent_variable) + " is not this process's parent's pid: it was " +
-                             "started by something else (unset the variable)");
-  }
+  if (parent && std::to_string(getppid()) == parent) return;
+  if (parent && kill(pid_t(std::atoll(parent)), 0) != 0 && errno == ESRCH) std::_Exit(1);  // the parent has ended
+  throw std::runtime_error(std::string(parent_variable) + (parent ? "=" + std::string(parent) : " unset") +
+                           ": this process's parent is not the process it names, so it was started by something else "
+                           "(a variable left set?)");
 }
 
 // Runs `program` with `args` (args[0] is its argv[0]) and this process's environment changed by

@@ -4,7 +4,8 @@
 # of the paths that SPEEDRUN_SELF_CHECK_PATHS switches on, but the groups SPEEDRUN_SELF_CHECK_DONE
 # names. <mode> says what one check does: pass (none fails); hang, stop (the GPU stops), die (a
 # signal ends the process): the fused flash backward's window-3 check; hang-fp8: the FP8 head's;
-# early: the process ends before any check (as it does where a profiler was injected into it).
+# early: the process ends before any check (as it does where a profiler was injected into it);
+# fail-after-done: it exits 1 after its last line; cut-off: its last line has no newline.
 # Usage: fake_self_check_process.sh <mode>
 mode=$1
 [[ $mode == early ]] && { echo "error: no GPU" >&2; exit 4; }
@@ -38,4 +39,8 @@ if on flash_attention && on fused_attention_backward && on qkv_backward_in_atten
   check "qkv backward in attention" "qkv backward in attention, window 14" pass
 fi
 echo "a line of the process's own"
-echo "@done"
+case $mode in
+  fail-after-done) echo "@done"; exit 1 ;;
+  cut-off) printf '@done' ;;
+  *) echo "@done" ;;
+esac
