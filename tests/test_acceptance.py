@@ -40,6 +40,11 @@ PROGRAM = """\
     with open(os.environ["FAKE_CALLS"] + ".programs", "a") as calls:
         calls.write(os.path.basename(sys.argv[0]) + " " + " ".join(args) + "\\n")
     step_ms = STEP_MS
+    if "--fake-fallback" in args:  # the start-up self-check replaced the newest flash kernels
+        line = ("self-check fallback: flash attention (its fused backward or warp-specialised forward) failed here; "
+                "the two-kernel flash path passed, and this run uses it (--attention flash-split): slower")
+        print(line)
+        print("WARNING: " + line, file=sys.stderr)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "run-id.txt"), "w") as log:
         log.write("step:0/%d val_loss:10.8 train_time:0ms step_avg:0.00ms\\n" % N)  # no step line
@@ -154,7 +159,9 @@ STAND_INS = {
             verdict = "FAILED" if behaviour == "fail" else "ok"
             print(f"self-check fp8 head logits: rel. error 3.1e-01 (bound 5e-02) {verdict}" if behaviour == "fail" else
                   "self-check fp8 head logits: rel. error 4.0e-03 (bound 5e-02) ok")
-            print(f"self-check: 2 checks, {int(behaviour == 'fail')} failed, 2.1 s")
+            if behaviour == "fail":  # a check whose process hung
+                print("self-check batched Muon 768x768: hung: no result in 60 s (its process was ended) FAILED")
+            print(f"self-check: {2 + (behaviour == 'fail')} checks, {2 * (behaviour == 'fail')} failed, 2.1 s")
             sys.exit(6 if behaviour == "fail" else 0)
         if "--diloco-groups" in args:  # FAKE_RUN_FAILS "diloco:<W>" fails that one
             if f"diloco:{W}" == os.environ.get("FAKE_RUN_FAILS"):
@@ -312,7 +319,9 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("| test_attention | Failed | 12.50 s |", report)
         self.assertIn("**tests: FAILED**", report)
         self.assertIn("| 0 | fp8 head logits | 3.1e-01 | 5e-02 | FAILED |", report)
-        self.assertIn("- GPU 0: self-check: 2 checks, 1 failed, 2.1 s", report)
+        self.assertIn("| 0 | batched Muon 768x768 | - | - | FAILED: hung: no result in 60 s (its process was ended) |",
+                      report)
+        self.assertIn("- GPU 0: self-check: 3 checks, 2 failed, 2.1 s", report)
         self.assertIn("**self-check: FAILED**", report)
         self.assertIn(f"send {self.report} and the failed phases' .log files", output)
 
@@ -516,6 +525,17 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("| ours --matmul-algorithms @bench, M = 8 | 20 | 0 | not run: no bench value for @bench", report)
         self.assertIn("| ours --fp8-logits-algorithm @bench-fp8, M = 8 | 20 | 0 | not run: no bench value", report)
         self.assertIn("- M = 8, ours --seed 2: differ from step 1", report)
+
+    def test_a_run_whose_self_check_fell_back_says_so_beside_its_time(self):
+        status, report, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20",
+                                                 ANCHOR_VARIANTS="--attention flash-ws --fake-fallback;--seed 2")
+        self.assertEqual(status, 0, output)
+        note = " (self-check fell back: flash attention (its fused backward or warp-specialised forward))"
+        self.assertRegex(report, r"\| ours --attention flash-ws --fake-fallback" + re.escape(note) + r", M = 8 \| 20 \|")
+        self.assertIn("| M = 8, ours --attention flash-ws --fake-fallback" + note + " | 730.0 |", report)
+        self.assertRegex(report, r"\| ours, M = 8 \| 20 \|")  # the runs that did not fall back: no note
+        self.assertIn("| M = 8 | 730.0 |", report)
+        self.assertEqual(report.count("self-check fell back"), 3)  # its two rows and its loss agreement
 
     def test_a_variant_that_stops_early_is_not_said_to_agree(self):
         status, report, _ = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20", ANCHOR_VARIANTS="--fake-stop 10")

@@ -20,7 +20,8 @@
 #               variant stands for the bench phase's fastest --matmul-algorithms value, "@bench-fp8"
 #               for its fastest --fp8-logits-algorithm (from an earlier call on the same machine:
 #               build/bench_<flag>.txt, else the report's line), so that the anchor's call needs
-#               nothing read from the bench's;
+#               nothing read from the bench's; a run of the trainer whose start-up self-check replaced
+#               fast paths (its time is then other kernels') says which, in its rows;
 #               ANCHOR_RUNS="M:N ..." other runs
 #               than "8:20 1:60" (each run costs about 45 s of the trainer, 40-150 s of the record's
 #               code: "8:20" alone fits five variants into one device call)
@@ -230,7 +231,10 @@ phase_self_check() {
         "of issue 19: nothing was checked."
       return 1
     fi
-    say "$(sed -nE "s/^self-check ([^:]+): rel\. error ([^ ]+) \(bound ([^)]+)\) (.*)$/| $gpu | \1 | \2 | \3 | \4 |/p" "$out")"
+    # a check with its error, or one that failed without one (it threw, hung or stopped the GPU: its
+    # process's end, kernels/self_check_process.cuh)
+    say "$(sed -nE -e "s/^self-check ([^:]+): rel\. error ([^ ]+) \(bound ([^)]+)\) (.*)$/| $gpu | \1 | \2 | \3 | \4 |/p" \
+      -e "s/^self-check ([^:]+): (.*) FAILED$/| $gpu | \1 | - | - | FAILED: \2 |/p" "$out")"
     summary=$(grep -m1 '^self-check: ' "$out")
     case $status in
       0) [[ -n $summary ]] || { summary="exit 0 but no self-check summary line"; failed=1; } ;;
@@ -412,6 +416,16 @@ anchor_run() {
   echo "${times##* }"
 }
 
+# fallback_note <folder>: " (self-check fell back: <paths>)" where the trainer's run in the folder
+# replaced fast paths by their references at start-up (its steps then timed other kernels than its
+# flags name), else nothing.
+fallback_note() {
+  local paths
+  paths=$(sed -nE 's/^(WARNING: )?self-check fallback: (.*) failed (here|on another rank).*/\2/p' "$1/console.txt" \
+    2>/dev/null | sort -u | paste -sd';' -)
+  [[ -z $paths ]] || echo " (self-check fell back: ${paths//;/; })"
+}
+
 # loss_agreement <console> <console> <N>: whether two runs of the trainer of N steps printed the same
 # loss at every step (seeded alike, a variant that changes no arithmetic, e.g. --launch-overlap pdl
 # or --attention flash-ws, must), or the first step where they differ; where one stopped early, at
@@ -447,13 +461,14 @@ phase_anchor() {
     for who in ours record; do
       start=$SECONDS
       mean=$(anchor_run "$who" "$M" "$N" "$logs/anchor/${who}_M$M") || failed=1
-      say "| $who, M = $M | $N | $((SECONDS - start)) | $mean | |"
+      say "| $who, M = $M$(fallback_note "$logs/anchor/${who}_M$M") | $N | $((SECONDS - start)) | $mean | |"
       means+=("$([[ $mean == FAILED* ]] || echo "$mean")")
     done
+    label="M = $M$(fallback_note "$logs/anchor/ours_M$M")"
     if [[ -n ${means[0]} && -n ${means[1]} ]]; then
-      rows+=("| M = $M | ${means[0]} | ${means[1]} | $(awk -v a="${means[0]}" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
+      rows+=("| $label | ${means[0]} | ${means[1]} | $(awk -v a="${means[0]}" -v b="${means[1]}" 'BEGIN { printf "%.3f", a / b }') |")
     else
-      rows+=("| M = $M | ${means[0]:-failed} | ${means[1]:-failed} | - |")
+      rows+=("| $label | ${means[0]:-failed} | ${means[1]:-failed} | - |")
     fi
     for variant in "${variants[@]}"; do
       if [[ $variant == *@bench* ]]; then
@@ -471,6 +486,7 @@ phase_anchor() {
       label="ours ${flags[*]}" start=$SECONDS
       dir=$logs/anchor/ours_M${M}_$(echo "${flags[*]}" | tr -c 'A-Za-z0-9\n' _)
       mean=$(anchor_run ours "$M" "$N" "$dir" "${flags[@]}") || failed=1
+      label+=$(fallback_note "$dir")
       agreement=$(loss_agreement "$logs/anchor/ours_M$M/console.txt" "$dir/console.txt" "$N")
       say "| $label, M = $M | $N | $((SECONDS - start)) | $mean | $agreement |"
       agreements+=("- M = $M, $label: $agreement")
@@ -481,6 +497,7 @@ phase_anchor() {
     [[ -x $baseline/train_gpt ]] || continue
     label="baseline $(baseline_revision)" start=$SECONDS
     mean=$(anchor_run baseline "$M" "$N" "$logs/anchor/baseline_M$M") || failed=1
+    label+=$(fallback_note "$logs/anchor/baseline_M$M")
     say "| $label, M = $M | $N | $((SECONDS - start)) | $mean | |"
     [[ $mean == FAILED* ]] && continue
     [[ -n ${means[1]} ]] &&
