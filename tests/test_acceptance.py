@@ -16,6 +16,7 @@ import sys
 import tarfile
 import tempfile
 import textwrap
+import time
 import unittest
 
 try:
@@ -475,6 +476,7 @@ class AcceptanceTest(unittest.TestCase):
         programs = self.read(self.calls + ".programs").splitlines()
         self.assertEqual([p.split()[0] for p in programs], ["train_gpt", "record_pytorch.py"] * 2)
         self.assertIn("--record .carry/anchor/train_gpt.py --train-files corpus-bin/corpus_train_*.bin", programs[1])
+        self.assertIn(" --stall-timeout 120 ", programs[0])  # a hung kernel ends the run, not the device call
         self.assertIn("--micro-batches 8 --num-iterations 20 --sync-steps --no-validation", programs[1])
         self.assertIn("--micro-batches 1 --num-iterations 60 --val-every 0", programs[2])
 
@@ -525,6 +527,16 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("| ours --matmul-algorithms @bench, M = 8 | 20 | 0 | not run: no bench value for @bench", report)
         self.assertIn("| ours --fp8-logits-algorithm @bench-fp8, M = 8 | 20 | 0 | not run: no bench value", report)
         self.assertIn("- M = 8, ours --seed 2: differ from step 1", report)
+
+    def test_a_bench_that_hangs_ends_at_its_timeout_with_the_rows_it_printed(self):
+        with open(os.path.join(self.repo, "build", "bench_kernels"), "a") as f:
+            f.write("sleep 30\n")
+        start = time.monotonic()
+        status, report, _ = self.acceptance("bench", gpus=1, ACCEPTANCE_BENCH_TIMEOUT="1")
+        self.assertEqual(status, 1)
+        self.assertLess(time.monotonic() - start, 20)
+        self.assertIn("bench_kernels FAILED (exit 124: still running after ACCEPTANCE_BENCH_TIMEOUT=1 s", report)
+        self.assertIn("| rmsnorm fwd [49152, 768] | 0.056 |", report)  # the rows before the hang
 
     def test_a_run_whose_self_check_fell_back_says_so_beside_its_time(self):
         status, report, output = self.acceptance("anchor", gpus=1, ANCHOR_RUNS="8:20",

@@ -50,7 +50,9 @@
 # Exit status: 0 every phase passed, 1 one failed, 2 usage, 77 none failed but some had no GPU.
 # ANCHOR_RECORD names the record's train_gpt.py (default: ../shared's, else .carry/anchor's).
 # ACCEPTANCE_TEST_TIMEOUT: seconds a test of `tests` may take (300; `slow`'s take up to 900) before
-# ctest stops it and goes on, so that one hung kernel does not take the rest of a device call with it.
+# ctest stops it and goes on, so that one hung kernel does not take the rest of a device call with it;
+# ACCEPTANCE_BENCH_TIMEOUT the same for each bench_kernels run (300 s), and a trainer run of the
+# anchor and profile phases ends after 120 s without progress (--stall-timeout 120).
 # Usage: tools/acceptance.sh [build|tests|slow|smoke|self-check|bench|anchor|profile|nccl]...
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -372,8 +374,9 @@ run_program() {
   mkdir -p "$dir"
   [[ $who == baseline ]] && program=$baseline/train_gpt
   if [[ $who == ours || $who == baseline ]]; then
+    # --stall-timeout: a kernel that hangs in a step ends the run in 2 minutes, not the call in 10
     capture "$dir/console.txt" "$program" "${corpus_flags[@]}" --micro-batches "$M" --num-iterations "$N" \
-      --val-every 0 --val-tokens 262144 --warmup-steps 3 --seed 1 --log-dir "$dir" \
+      --val-every 0 --val-tokens 262144 --warmup-steps 3 --seed 1 --stall-timeout 120 --log-dir "$dir" \
       --checkpoint-dir "$work/checkpoints_$who" "$@"
   else
     capture "$dir/console.txt" python3 tools/record_pytorch.py --record "$record" "${corpus_flags[@]}" \
@@ -581,20 +584,24 @@ phase_bench() {
     cudnn_dir=$(python3 -c 'import nvidia.cudnn as m; print(list(m.__path__)[0] + "/lib")' 2> /dev/null); then
     export LD_LIBRARY_PATH=$cudnn_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   fi
-  capture "$work/bench_kernels.txt" build/bench_kernels 20
+  # A kernel that hangs (a never-run one, an mbarrier phase that never comes) ends the bench, not the call.
+  capture "$work/bench_kernels.txt" timeout "${ACCEPTANCE_BENCH_TIMEOUT:-300}" build/bench_kernels 20
   local status=$?
   # the values of the anchor's "@bench" and "@bench-fp8": in build/, which stays between calls on one machine
   bench_flag_value "$work/bench_kernels.txt" matmul-algorithms >build/bench_matmul-algorithms.txt
   bench_flag_value "$work/bench_kernels.txt" fp8-logits-algorithm >build/bench_fp8-logits-algorithm.txt
   say "" "### Our kernels (\`build/bench_kernels 20\`)" "" "$(grep -v '^error' "$work/bench_kernels.txt")"
-  ((status == 0)) || { say "" "bench_kernels FAILED (exit $status)."; return 1; }
+  ((status == 0)) || {
+    say "" "bench_kernels FAILED (exit $status$( ((status == 124)) && echo ": still running after ACCEPTANCE_BENCH_TIMEOUT=${ACCEPTANCE_BENCH_TIMEOUT:-300} s, its last row above")).";
+    return 1
+  }
   capture "$work/bench_torch.txt" python3 tools/bench_torch.py --ours "$work/bench_kernels.txt"
   status=$?
   say "" "### Beside PyTorch (\`tools/bench_torch.py\`; ours / torch below 1: ours is faster)" ""
   say "$(grep -m1 -E '^[^|].*PyTorch' "$work/bench_torch.txt")" "" "$(grep '^|' "$work/bench_torch.txt")"
   ((status == 0)) || say "" "bench_torch.py FAILED (exit $status): $(tail -1 "$work/bench_torch.txt")"
   [[ -x $baseline/bench_kernels ]] || return "$status"
-  capture "$work/bench_baseline.txt" "$baseline/bench_kernels" 20 || status=1
+  capture "$work/bench_baseline.txt" timeout "${ACCEPTANCE_BENCH_TIMEOUT:-300}" "$baseline/bench_kernels" 20 || status=1
   say "" "### Beside the baseline $(baseline_revision) (its \`bench_kernels 20\`, the same call; the rows both name" \
     "once; now / baseline below 1: faster now)" "" "| row | now ms | baseline ms | now / baseline |" "|---|---|---|---|" \
     "$(paired_bench_rows "$work/bench_kernels.txt" "$work/bench_baseline.txt")"
