@@ -75,9 +75,10 @@ steps() {
     local M=${run% *} comm=${run#* } name="M${run% *}_${run#* }" extra=()
     [[ $comm == nccl ]] && extra=(--nccl-single-rank)
     [[ $name == M8_none ]] && extra=(--timeline-step 5)
+    # --stall-timeout: a kernel that hangs ends its run in 2 minutes, not the device call in 10
     "$trainer" "${data_flags[@]}" --micro-batches "$M" --num-iterations "$K" --val-every 0 --val-tokens 262144 \
-      --warmup-steps 3 --log-dir "$work/logs_$name" --checkpoint-dir "$work/checkpoints" "${extra[@]}" \
-      >"$work/console_$name.txt"
+      --warmup-steps 3 --stall-timeout 120 --log-dir "$work/logs_$name" --checkpoint-dir "$work/checkpoints" \
+      "${extra[@]}" >"$work/console_$name.txt"
     local ms tokens
     ms=$(mean_step_ms "$(ls "$work/logs_$name"/*.txt)")
     tokens=$((M * 49152))
