@@ -144,16 +144,17 @@ inline Report read_report(const std::vector<std::string>& lines) {
       start = tab + 1;
     }
     const std::string& kind = fields[0];
+    auto refuse = [&](const char* what) { throw std::runtime_error(std::string("self-check process: ") + what + " '" + line + "'"); };
     auto need = [&](size_t n) {
-      if (fields.size() != n) throw std::runtime_error("self-check process: a malformed line '" + line + "'");
+      if (fields.size() != n) refuse("a malformed line");
     };
     if (kind == "@group") {
       need(2);
-      if (!report.unfinished.empty()) throw std::runtime_error("self-check process: a group started in another: '" + line + "'");
+      if (!report.unfinished.empty()) refuse("a group started in another:");
       report.groups.emplace_back();
     } else if (kind == "@spec") {
       need(4);
-      if (report.groups.empty()) throw std::runtime_error("self-check process: a check outside a group: '" + line + "'");
+      if (report.groups.empty()) refuse("a check outside a group:");
       if (report.groups.back().empty()) report.groups.back() = fields[3];
       report.unfinished.push_back({fields[3], path_named(fields[1]).member, std::strtod(fields[2].c_str(), nullptr)});
     } else if (kind == "@result") {
@@ -162,7 +163,7 @@ inline Report read_report(const std::vector<std::string>& lines) {
                                 std::strtod(fields[3].c_str(), nullptr), fields[5]});
       auto& u = report.unfinished;
       const auto spec = std::find_if(u.begin(), u.end(), [&](const auto& s) { return s.name == fields[4]; });
-      if (spec == u.end()) throw std::runtime_error("self-check process: a result of no check started: '" + line + "'");
+      if (spec == u.end()) refuse("a result of no check started:");
       u.erase(spec);
     } else if (kind == "@stopped") {
       need(2);

@@ -98,8 +98,8 @@ inline ChildOutcome run_child(const std::string& program, const std::vector<std:
   ChildOutcome outcome;
   std::string pending;
   using Clock = std::chrono::steady_clock;
-  Clock::time_point deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                  std::chrono::duration<double>(seconds_per_line));
+  const auto limit = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds_per_line));
+  Clock::time_point deadline = Clock::now() + limit;
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
@@ -109,25 +109,20 @@ inline ChildOutcome run_child(const std::string& program, const std::vector<std:
     }
     pollfd p{out[0], POLLIN, 0};
     const int ready = poll(&p, 1, int(std::min<long long>(left, 1000)));
-    if (ready < 0 && errno == EINTR) continue;
-    ssize_t n = -1;
-    if (ready > 0) {
-      char buffer[4096];
-      n = read(out[0], buffer, sizeof buffer);
-      if (n < 0 && errno == EINTR) continue;
-      if (n > 0) pending.append(buffer, size_t(n));
-    }
-    if (ready == 0) continue;
+    if (ready == 0 || (ready < 0 && errno == EINTR)) continue;
+    char buffer[4096];
+    const ssize_t n = ready < 0 ? -1 : read(out[0], buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
     if (n == 0) break;  // its end
     if (n < 0) {        // poll or read failed: nothing more can be read, so the child is not waited for
       kill(pid, SIGKILL);
       break;
     }
+    pending.append(buffer, size_t(n));
     for (size_t end; (end = pending.find('\n')) != std::string::npos; pending.erase(0, end + 1)) {
       outcome.lines.push_back(pending.substr(0, end));
       if (on_line) on_line(outcome.lines.back());
-      deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(seconds_per_line));
+      deadline = Clock::now() + limit;
     }
   }
   close(out[0]);
