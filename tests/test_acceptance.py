@@ -185,6 +185,38 @@ STAND_INS = {
         """,
     "build/train_gpt": PROGRAM.replace("STEP_MS", "90 * M + 10"),  # 730 ms at M = 8, 100 at M = 1
     "tools/record_pytorch.py": PROGRAM.replace("STEP_MS", "95 * M + 25"),  # 785 and 120
+    # compute-sanitizer: runs the test it is given and writes its report into --log-file.
+    # FAKE_SANITIZER: "fault:<test>:<tool>" reports an invalid write there, "unsupported" answers as
+    # on a machine whose GPU it cannot use, "hang:<test>" sleeps there.
+    "bin/compute-sanitizer": """\
+        import os, subprocess, sys, time
+        args = sys.argv[1:]
+        tool, log = args[args.index("--tool") + 1], args[args.index("--log-file") + 1]
+        program = next(arg for arg in args if arg.startswith("build/tests/"))
+        test = os.path.basename(program)
+        with open(os.environ["FAKE_CALLS"] + ".commands", "a") as calls:
+            calls.write(f"compute-sanitizer {' '.join(args)} SPEEDRUN_TEST_SUBSET={os.environ.get('SPEEDRUN_TEST_SUBSET')}\\n")
+        behaviour = os.environ.get("FAKE_SANITIZER", "")
+        with open(log, "w") as out:
+            out.write("========= COMPUTE-SANITIZER\\n")
+            if behaviour == "unsupported":
+                out.write("========= Error: Device not supported\\n")
+                sys.exit(1)
+            if behaviour == f"hang:{test}":
+                out.flush()
+                time.sleep(30)
+            status = subprocess.run(args[args.index(program):]).returncode
+            if behaviour == f"fault:{test}:{tool}":
+                out.write("========= Invalid __global__ write of size 4 bytes\\n"
+                          "=========     at flash_backward_kernel<(int)128>(const Args &)+0x1a30 in kernels/flash_attention.cuh:812\\n"
+                          "=========     by thread (3,0,0) in block (0,0,0)\\n"
+                          "=========\\n========= Program hit cudaErrorLaunchFailure on CUDA API call to cudaDeviceSynchronize.\\n")
+                status = status or 1
+            errors = int(behaviour == f"fault:{test}:{tool}")
+            out.write(f"========= RACECHECK SUMMARY: 0 hazards displayed ({errors} errors, 0 warnings)\\n" if tool == "racecheck"
+                      else f"========= ERROR SUMMARY: {errors} error{'s' * (errors != 1)}\\n")
+        sys.exit(status)
+        """,
     # ncu: FAKE_NCU=fail answers as on a machine whose counters cannot be read.
     "bin/ncu": """\
         #!/usr/bin/env bash
@@ -211,7 +243,7 @@ class AcceptanceTest(unittest.TestCase):
             full = os.path.join(self.repo, path)
             os.makedirs(os.path.dirname(full), exist_ok=True)
             text = textwrap.dedent(text)
-            if path.endswith(".py") or path in ("run.sh", "build/train_gpt"):
+            if path.endswith(".py") or path in ("run.sh", "build/train_gpt", "bin/compute-sanitizer"):
                 text = f"#!{sys.executable}\n" + text
             with open(full, "w") as f:
                 f.write(text)
@@ -241,6 +273,16 @@ class AcceptanceTest(unittest.TestCase):
         with open(path) as f:
             return f.read()
 
+    def built_kernel_tests(self):
+        """The gpu tests' binaries that the sanitize phase runs (FAKE_FAILING_TEST fails that one)."""
+        for test in ("gpu_device", "test_kernels", "test_attention", "test_residual", "test_fp8_head", "test_muon"):
+            full = os.path.join(self.repo, "build", "tests", test)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "w") as f:
+                f.write(f'#!/usr/bin/env bash\necho "{test}: subset $SPEEDRUN_TEST_SUBSET"\n'
+                        f'[[ ${{FAKE_FAILING_TEST:-}} != {test} ]]\n')
+            os.chmod(full, 0o755)
+
     def staged(self, archive):
         """The files of a .carry archive, sorted."""
         with tarfile.open(os.path.join(self.repo, ".carry", archive)) as tar:
@@ -256,23 +298,24 @@ class AcceptanceTest(unittest.TestCase):
     def test_an_unknown_phase_is_a_usage_error(self):
         status, _, output = self.acceptance("build", "benchmarks")
         self.assertEqual(status, 2)
-        self.assertIn("[build|tests|slow|smoke|self-check|bench|anchor|profile|nccl]...", output)
+        self.assertIn("[build|tests|sanitize|slow|smoke|self-check|bench|anchor|profile|nccl]...", output)
         self.assertEqual(self.commands(), "")
 
     def test_without_a_gpu_the_gpu_phases_say_so_and_build_nothing(self):
-        phases = ("tests", "slow", "smoke", "self-check", "bench", "anchor", "profile", "nccl")
+        phases = ("tests", "sanitize", "slow", "smoke", "self-check", "bench", "anchor", "profile", "nccl")
         status, report, output = self.acceptance(*phases)
         self.assertEqual(status, 77, output)
         self.assertIn("- GPUs: none (nvidia-smi lists no GPU)", report)
         for phase in phases:
             self.assertIn(f"## {phase}\n", report)
             self.assertIn(f"**{phase}: no GPU: skipped**", report)
-        self.assertEqual(report.count("No GPU (nvidia-smi lists none): skipped."), 8)
+        self.assertEqual(report.count("No GPU (nvidia-smi lists none): skipped."), 9)
         self.assertNotIn("--build", self.commands())
         self.assertNotIn("ctest", self.commands())
         self.assertEqual(self.run_sh_calls(), [])
 
     def test_one_gpu_every_phase_passes_into_one_report(self):
+        self.built_kernel_tests()
         out = os.path.join(self.root, "out")
         os.makedirs(out)
         status, report, output = self.acceptance(gpus=1, OUT=out)
@@ -280,7 +323,7 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("- GPUs (index, name, driver, memory):\n  - 0, NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB", report)
         self.assertIn("- driver's CUDA Version: 13.0", report)
         self.assertIn("- nvcc: release 13.0, V13.0.88", report)
-        every_phase = ("build", "tests", "slow", "smoke", "self-check", "bench", "anchor", "profile", "nccl")
+        every_phase = ("build", "tests", "sanitize", "slow", "smoke", "self-check", "bench", "anchor", "profile", "nccl")
         self.assertEqual(re.findall(r"^## (\S+)$", report, re.M), list(every_phase))
         for phase in every_phase:
             self.assertIn(f"**{phase}: passed**", report)
@@ -314,10 +357,13 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("report/profile/ours/kernels.csv", names)
 
     def test_failures_are_named_in_the_report_and_on_the_console(self):
+        self.built_kernel_tests()
         status, report, output = self.acceptance("tests", "self-check", gpus=1, FAKE_FAILING_TEST="test_attention",
                                                  FAKE_SELF_CHECK="fail")
         self.assertEqual(status, 1)
         self.assertIn("| test_attention | Failed | 12.50 s |", report)
+        self.assertIn('The line that faults, if one does: `SANITIZE_RUNS="memcheck:test_attention" '
+                      'tools/acceptance.sh sanitize`.', report)
         self.assertIn("**tests: FAILED**", report)
         self.assertIn("| 0 | fp8 head logits | 3.1e-01 | 5e-02 | FAILED |", report)
         self.assertIn("| 0 | batched Muon 768x768 | - | - | FAILED: hung: no result in 60 s (its process was ended) |",
@@ -325,6 +371,91 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("- GPU 0: self-check: 3 checks, 2 failed, 2.1 s", report)
         self.assertIn("**self-check: FAILED**", report)
         self.assertIn(f"send {self.report} and the failed phases' .log files", output)
+
+    def test_the_sanitize_phase_runs_each_tool_over_the_kernel_tests_at_the_ci_sized_shapes(self):
+        self.built_kernel_tests()
+        status, report, output = self.acceptance("sanitize", gpus=1)
+        self.assertEqual(status, 0, output)
+        self.assertIn("the tests at the CI-sized shapes (SPEEDRUN_TEST_SUBSET=1)", report)
+        rows = re.findall(r"^\| ([\w() -]+?) \| (\w+) \| clean \(\d+ s\) \|  \|$", report, re.M)
+        self.assertEqual(rows, [("gpu_device (-programmatic)", "memcheck"), ("test_kernels", "memcheck"),
+                                ("test_attention", "memcheck"), ("test_residual", "memcheck"),
+                                ("test_fp8_head", "memcheck"), ("test_muon", "memcheck"), ("test_attention", "synccheck"),
+                                ("test_kernels", "synccheck"), ("gpu_device (-programmatic)", "synccheck"),
+                                ("test_attention", "racecheck"), ("test_kernels", "racecheck")])
+        sanitized = [line for line in self.commands().splitlines() if line.startswith("compute-sanitizer")]
+        self.assertEqual(len(sanitized), 11)
+        self.assertTrue(all(line.endswith("SPEEDRUN_TEST_SUBSET=1") for line in sanitized), sanitized)
+        self.assertIn("--tool memcheck --report-api-errors no --print-limit 20 --log-file", sanitized[0])
+        self.assertIn("build/tests/gpu_device -programmatic SPEEDRUN_TEST_SUBSET=1", sanitized[0])
+        self.assertIn("--tool racecheck --report-api-errors no --print-limit 20 --log-file", sanitized[-1])
+        self.assertIn("--racecheck-report hazard build/tests/test_kernels", sanitized[-1])
+        self.assertIn("**sanitize: passed**", report)
+
+    def test_a_sanitizer_finding_names_its_kernel_and_line_and_fails_the_phase(self):
+        self.built_kernel_tests()
+        status, report, _ = self.acceptance("sanitize", gpus=1, FAKE_SANITIZER="fault:test_attention:memcheck",
+                                            FAKE_FAILING_TEST="test_muon",
+                                            SANITIZE_RUNS="memcheck:test_attention racecheck:test_attention memcheck:test_muon")
+        self.assertEqual(status, 1)
+        self.assertIn("| test_attention | memcheck | FAILED: 1 errors | Invalid __global__ write of size 4 bytes; "
+                      "at flash_backward_kernel<(int)128>(const Args &)+0x1a30 in kernels/flash_attention.cuh:812 |", report)
+        self.assertRegex(report, r"\| test_attention \| racecheck \| clean \(\d+ s\) \|  \|")
+        self.assertIn("| test_muon | memcheck | FAILED: the test failed (exit 1), no sanitizer errors |  |", report)
+        self.assertIn("**sanitize: FAILED**", report)
+
+    def test_a_hung_sanitizer_run_ends_at_its_timeout_and_the_budget_stops_the_rest(self):
+        self.built_kernel_tests()
+        status, report, _ = self.acceptance("sanitize", gpus=1, FAKE_SANITIZER="hang:test_kernels",
+                                            ACCEPTANCE_SANITIZE_TIMEOUT="1", ACCEPTANCE_SANITIZE_BUDGET="1",
+                                            SANITIZE_RUNS="memcheck:test_kernels memcheck:test_attention")
+        self.assertEqual(status, 1)
+        self.assertIn("| test_kernels | memcheck | FAILED: still running after ACCEPTANCE_SANITIZE_TIMEOUT=1 s |  |", report)
+        self.assertIn("| test_attention | memcheck | not run: the phase spent its ACCEPTANCE_SANITIZE_BUDGET=1 s | |",
+                      report)
+
+    def test_without_a_usable_sanitizer_the_phase_says_why(self):
+        self.built_kernel_tests()
+        status, report, _ = self.acceptance("sanitize", gpus=1, FAKE_SANITIZER="unsupported")
+        self.assertEqual(status, 77)
+        self.assertIn("| gpu_device (-programmatic) | memcheck | not run: compute-sanitizer does not support this machine's GPU | "
+                      "Error: Device not supported |", report)
+        self.assertIn("**sanitize: compute-sanitizer cannot use this GPU: skipped**", report)
+        status, report, _ = self.acceptance("sanitize", "tests", gpus=1, COMPUTE_SANITIZER="/nonexistent/compute-sanitizer")
+        self.assertEqual(status, 77)
+        self.assertIn("No compute-sanitizer (/nonexistent/compute-sanitizer): nothing checked.", report)
+        self.assertIn("**sanitize: no compute-sanitizer: skipped**", report)
+        self.assertIn("**tests: passed**", report)
+        for runs in ("memcheck:test_kernels asan:test_kernels", " "):
+            status, report, _ = self.acceptance("sanitize", gpus=1, SANITIZE_RUNS=runs)
+            self.assertEqual(status, 1)
+            self.assertIn(f"SANITIZE_RUNS: '{runs.split()[-1] if runs.strip() else 'none'}' is not tool:test or "
+                          "tool:test:case (tool: memcheck, racecheck, synccheck or initcheck).", report)
+
+    def test_a_refusal_after_a_finding_still_fails_the_phase_and_an_earlier_report_is_not_read(self):
+        self.built_kernel_tests()
+        stale = os.path.join(self.root, "report", "sanitize", "test_kernels_memcheck.txt")
+        os.makedirs(os.path.dirname(stale))
+        with open(stale, "w") as f:
+            f.write("========= Error: Device not supported\n")
+        status, report, _ = self.acceptance("sanitize", gpus=1, FAKE_SANITIZER="fault:test_attention:memcheck",
+                                            SANITIZE_RUNS="memcheck:test_attention memcheck:test_kernels")
+        self.assertEqual(status, 1)
+        self.assertRegex(report, r"\| test_kernels \| memcheck \| clean \(\d+ s\) \|  \|")
+        status, report, _ = self.acceptance("sanitize", gpus=1, FAKE_SANITIZER="unsupported",
+                                            SANITIZE_RUNS="memcheck:test_attention")
+        self.assertEqual(status, 77)
+        os.remove(self.report)
+        with open(os.path.join(self.repo, "bin", "compute-sanitizer"), "w") as f:  # one that fails a run, then refuses
+            f.write("#!/usr/bin/env bash\nlog=$(sed -E 's/.*--log-file ([^ ]+).*/\\1/' <<<\"$*\")\n"
+                    "if [[ $* == *test_attention* ]]; then echo '========= ERROR SUMMARY: 1 error' >\"$log\"; exit 1; fi\n"
+                    "echo '========= Error: Device not supported'\nexit 1\n")
+        status, report, _ = self.acceptance("sanitize", gpus=1, SANITIZE_RUNS="memcheck:test_attention memcheck:test_kernels")
+        self.assertEqual(status, 1)
+        self.assertIn("| test_attention | memcheck | FAILED: 1 errors |  |", report)
+        self.assertIn("| test_kernels | memcheck | not run: compute-sanitizer does not support this machine's GPU | "
+                      "Error: Device not supported |", report)
+        self.assertIn("**sanitize: FAILED**", report)
 
     def test_a_failed_build_stops_its_phase(self):
         status, report, _ = self.acceptance("build", gpus=1, FAKE_BUILD_FAILS="1")

@@ -5,6 +5,15 @@
 #   build       configure build/ and build what the phases run (gpu_tests, bench_kernels)
 #   tests       the gpu tests but the slow ones and the smoke run (ctest -L gpu -LE slow -j 4: their CPU
 #               references side by side)
+#   sanitize    the kernels' tests under compute-sanitizer at the CI-sized shapes (SPEEDRUN_TEST_SUBSET=1:
+#               the emulator's subset, on the GPU), each run's first finding named by its source line
+#               (the gpu tests carry -lineinfo): memcheck over the kernel tests, synccheck and racecheck
+#               over the hand-written Hopper kernels' (default_sanitize_runs below; SANITIZE_RUNS=
+#               "tool:test[:case] ..." others); a run is stopped after ACCEPTANCE_SANITIZE_TIMEOUT
+#               (120 s), and none starts once the phase, its build included, has taken
+#               ACCEPTANCE_SANITIZE_BUDGET (420 s). racecheck's hazards on buffers that TMA writes or
+#               wgmma reads (the async proxy) are to be read against the kernel's mbarrier protocol
+#               before they are believed
 #   slow        the slow gpu tests side by side (ctest -L slow -j 3): minutes of CPU reference each
 #   smoke       the trainer's 30-step smoke run on the bundled sample (tests/gpu/smoke_run.sh)
 #   self-check  the trainer's start-up self-check on each GPU (--self-check strict --self-check-only)
@@ -53,11 +62,11 @@
 # ctest stops it and goes on, so that one hung kernel does not take the rest of a device call with it;
 # ACCEPTANCE_BENCH_TIMEOUT the same for each bench_kernels run (300 s), and a trainer run of the
 # anchor and profile phases ends after 120 s without progress (--stall-timeout 120).
-# Usage: tools/acceptance.sh [build|tests|slow|smoke|self-check|bench|anchor|profile|nccl]...
+# Usage: tools/acceptance.sh [build|tests|sanitize|slow|smoke|self-check|bench|anchor|profile|nccl]...
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
-all_phases=(build tests slow smoke self-check bench anchor profile nccl)
+all_phases=(build tests sanitize slow smoke self-check bench anchor profile nccl)
 phases=("$@")
 ((${#phases[@]})) || phases=("${all_phases[@]}")
 for phase in "${phases[@]}"; do
@@ -83,6 +92,8 @@ work=$(mktemp -d)
 # A build staged by tools/stage_build.sh (a carry of the device tool) goes where the phases look.
 [[ -z ${SPEEDRUN_PREBUILT:-} ]] || tools/stage_build.sh unpack || exit 1
 [[ -n ${SPEEDRUN_PREBUILT:-} ]] && export SPEEDRUN_TRAINER=$PWD/build/train_gpt
+# The gpu tests' verdict is at their full shapes: only the sanitize phase asks for the CI-sized subset.
+unset SPEEDRUN_TEST_SUBSET
 trainer=${SPEEDRUN_TRAINER:-build/train_gpt}
 baseline=.carry/baseline  # tools/stage_build.sh's SPEEDRUN_BASELINE: an earlier commit's trainer and bench
 baseline_revision() { cut -c1-7 "$baseline/REVISION" 2>/dev/null || echo "(commit unknown)"; }
@@ -135,6 +146,8 @@ capture() {
   return "${PIPESTATUS[0]}"
 }
 
+# Why a phase that returns 77 was skipped (its verdict); a phase with another reason sets it.
+skipped_because="no GPU"
 need_gpu() {
   ((${#gpus[@]})) && return 0
   say "No GPU (nvidia-smi lists none): skipped."
@@ -146,7 +159,7 @@ build_targets() {
   local start=$SECONDS generator=() target
   if [[ -n ${SPEEDRUN_PREBUILT:-} ]]; then
     for target in "$@"; do
-      [[ $target == *_tests || -x build/$target || -f build/lib$target.so ]] && continue
+      [[ $target == *_tests || -x build/$target || -x build/tests/$target || -f build/lib$target.so ]] && continue
       say "SPEEDRUN_PREBUILT: build/ has no $target."
       return 1
     done
@@ -206,7 +219,112 @@ ctest_phase() {
   say "" "| test | result | time |" "|---|---|---|"
   say "$(sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*(\*\*\*| +)(.*[^ ]) +([0-9.]+) sec$/| \1 | \3 | \4 s |/p' "$work/ctest.txt")"
   say "" "$(grep -E '^[0-9]+% tests passed' "$work/ctest.txt" || echo "CTest gave no summary: see $phase.log.")"
+  local failed_tests=() test
+  while read -r test; do
+    [[ -x build/tests/$test ]] && failed_tests+=("memcheck:$test")
+  done < <(sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*\*\*\*(Failed|Timeout|Exception).*$/\1/p' "$work/ctest.txt")
+  ((${#failed_tests[@]} == 0)) ||
+    say "" "The line that faults, if one does: \`SANITIZE_RUNS=\"${failed_tests[*]}\" tools/acceptance.sh sanitize\`."
   return "$status"
+}
+
+# compute-sanitizer: COMPUTE_SANITIZER where it is set, else on the PATH, else beside nvcc, else in
+# CUDA's usual folder.
+sanitizer_program() {
+  local candidate
+  if [[ -n ${COMPUTE_SANITIZER:-} ]]; then
+    [[ -x $COMPUTE_SANITIZER ]] && echo "$COMPUTE_SANITIZER"
+    return
+  fi
+  for candidate in "$(command -v compute-sanitizer)" "$(dirname "$(command -v nvcc || echo .)")/compute-sanitizer" \
+    /usr/local/cuda/bin/compute-sanitizer; do
+    [[ -x $candidate ]] && { echo "$candidate"; return 0; }
+  done
+  return 1
+}
+
+# tool:test[:case], case a name fragment the test's cases are selected by (tests/check.h; "-fragment"
+# leaves those out): gpu_device's case of programmatic dependent launch needs two kernels at once,
+# which the sanitizer's instrumentation does not promise.
+default_sanitize_runs=(memcheck:gpu_device:-programmatic memcheck:test_kernels memcheck:test_attention
+  memcheck:test_residual memcheck:test_fp8_head memcheck:test_muon synccheck:test_attention synccheck:test_kernels
+  synccheck:gpu_device:-programmatic racecheck:test_attention racecheck:test_kernels)
+
+# sanitizer_finding <log>: the first error compute-sanitizer reported (a line of its own, the details
+# indented below it), with its first detail that says where ("at <kernel>+<offset> in <file>:<line>",
+# or a hazard's "<access> Thread (...) at ... in ..."), as one cell of a table.
+sanitizer_finding() {
+  awk '/^========= [^ ]/ && !/COMPUTE-SANITIZER|SUMMARY|Target application returned/ { if (what) exit; what = $0; next }
+       what && / at .* in / { where = $0; exit }
+       END { gsub(/^=+ +/, "", what); gsub(/^=+ +/, "", where); print what (where ? "; " where : "") }' "$1" |
+    sed 's/|/\\|/g'
+}
+
+phase_sanitize() {
+  need_gpu || return 77
+  local sanitizer runs run tool test cases name tests=() dir=$logs/sanitize failed=0 status errors result started=$SECONDS
+  local budget=${ACCEPTANCE_SANITIZE_BUDGET:-420} limit=${ACCEPTANCE_SANITIZE_TIMEOUT:-120}
+  runs=("${default_sanitize_runs[@]}")
+  [[ ! -v SANITIZE_RUNS ]] || read -ra runs <<<"$SANITIZE_RUNS"
+  for run in "${runs[@]:-none}"; do  # "none": a blank SANITIZE_RUNS is refused too
+    if [[ ! $run =~ ^(memcheck|racecheck|synccheck|initcheck):([A-Za-z0-9_]+)(:[^:]+)?$ ]]; then
+      say "SANITIZE_RUNS: '$run' is not tool:test or tool:test:case (tool: memcheck, racecheck, synccheck or initcheck)."
+      return 1
+    fi
+    [[ " ${tests[*]} " == *" ${BASH_REMATCH[2]} "* ]] || tests+=("${BASH_REMATCH[2]}")
+  done
+  if ! sanitizer=$(sanitizer_program); then
+    say "No compute-sanitizer (${COMPUTE_SANITIZER:-not on the PATH, nor beside nvcc, nor in /usr/local/cuda/bin}): nothing checked."
+    skipped_because="no compute-sanitizer"
+    return 77
+  fi
+  build_targets "${tests[@]}" || return 1
+  mkdir -p "$dir"
+  say "" "compute-sanitizer: $sanitizer; the tests at the CI-sized shapes (SPEEDRUN_TEST_SUBSET=1)." "" \
+    "| test | tool | result | first finding |" "|---|---|---|---|"
+  for run in "${runs[@]}"; do
+    IFS=: read -r tool test cases <<<"$run"
+    name=$test${cases:+ ($cases)}
+    if ((SECONDS - started >= budget)); then
+      say "| $name | $tool | not run: the phase spent its ACCEPTANCE_SANITIZE_BUDGET=$budget s | |"
+      failed=1
+      continue
+    fi
+    local extra=() begun=$SECONDS found=$dir/${test}_$tool.txt
+    [[ $tool == racecheck ]] && extra=(--racecheck-report hazard)
+    rm -f "$found"  # an earlier call's, the same day on this machine: never read as this run's
+    # --report-api-errors no: a CUDA call that returns an error the program handles (a library probing
+    # the driver) is not a finding; our own calls' errors fail the test itself
+    capture "$dir/${test}_$tool.out" env SPEEDRUN_TEST_SUBSET=1 timeout -k 10 "$limit" "$sanitizer" --tool "$tool" \
+      --report-api-errors no --print-limit 20 --log-file "$found" "${extra[@]}" "build/tests/$test" ${cases:+"$cases"}
+    status=$?
+    # memcheck, synccheck, initcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards
+    # displayed (E errors, W warnings)"
+    errors=$(sed -nE -e 's/^========= ERROR SUMMARY: ([0-9]+) errors?$/\1/p' \
+      -e 's/^========= RACECHECK SUMMARY: .*\(([0-9]+) errors?, .*$/\1/p' "$found" 2>/dev/null | tail -1)
+    # before it opens its log file, compute-sanitizer says on its own output what stops it
+    [[ -s $found ]] || cp "$dir/${test}_$tool.out" "$found"
+    if grep -qs 'Device not supported' "$found"; then
+      say "| $name | $tool | not run: compute-sanitizer does not support this machine's GPU | $(sanitizer_finding "$found") |"
+      ((failed)) && return 1  # the runs before it found something
+      skipped_because="compute-sanitizer cannot use this GPU"
+      return 77
+    elif ((status == 124 || status == 137)); then
+      result="FAILED: still running after ACCEPTANCE_SANITIZE_TIMEOUT=$limit s"
+    elif [[ -z $errors ]]; then
+      result="FAILED: no summary from compute-sanitizer (exit $status)"
+    elif ((errors > 0)); then
+      result="FAILED: $errors errors"
+    elif ((status != 0)); then
+      result="FAILED: the test failed (exit $status), no sanitizer errors"
+    else
+      result="clean ($((SECONDS - begun)) s)"
+    fi
+    [[ $result == clean* ]] || failed=1
+    say "| $name | $tool | $result | $(sanitizer_finding "$found") |"
+  done
+  say "" "Each run's sanitizer report: sanitize/<test>_<tool>.txt beside $phase.log; the test's own lines: .out."
+  return "$failed"
 }
 
 phase_smoke() {
@@ -641,12 +759,13 @@ results=() worst=0
 for phase in "${phases[@]}"; do
   log=$logs/$phase.log
   : >"$log"
-  start=$SECONDS
+  start=$SECONDS skipped_because="no GPU"
   echo "== $phase"
   say "" "## $phase" "" "Started $(date '+%T'); its whole output: $phase.log."
   case $phase in
     build) phase_build ;;
     tests) ctest_phase gpu_tests -L gpu -LE slow -E '^smoke_run$' -j 4 --timeout "${ACCEPTANCE_TEST_TIMEOUT:-300}" ;;
+    sanitize) phase_sanitize ;;
     slow) ctest_phase slow_gpu_tests -L slow -j 3 --timeout 900 ;;
     smoke) phase_smoke ;;
     self-check) phase_self_check ;;
@@ -658,7 +777,7 @@ for phase in "${phases[@]}"; do
   status=$?
   case $status in
     0) verdict=passed ;;
-    77) verdict="no GPU: skipped" ;;
+    77) verdict="$skipped_because: skipped" ;;
     *) verdict=FAILED ;;
   esac
   say "" "**$phase: $verdict** ($((SECONDS - start)) s)"

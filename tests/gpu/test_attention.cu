@@ -160,7 +160,7 @@ void check_both(const std::vector<uint16_t>& tokens, int window, uint64_t seed, 
 // Every window on a GPU; on the CI-sized emulation the smallest, the largest and two between
 // (the baseline, whose scores each cost a warp-wide sum, stops below the whole sequence).
 std::vector<int> windows_to_check(Implementation impl) {
-  if (emulating_a_subset()) {
+  if (testing_a_subset()) {
     if (impl == Implementation::flash) return {1, 2, 7, 14};
     if (impl == Implementation::flash_ws) return {2, 14};
     return impl == Implementation::flash_split ? std::vector<int>{3, 14} : std::vector<int>{1, 3};
@@ -297,7 +297,7 @@ TEST_CASE("baseline: forward and backward match the reference for windows 1..14,
 
 TEST_CASE("single document, documents on block boundaries, a 16-block sequence, the record's 6 heads, "
           "peaked softmax of QK-normed scores") {
-  const bool baseline = !emulating_a_subset();
+  const bool baseline = !testing_a_subset();
   std::vector<uint16_t> one_doc(128 * 8, 17);
   one_doc[0] = kBos;
   check_both(one_doc, 14, 400, true, 2, Scores::gaussian, baseline);
@@ -367,7 +367,7 @@ __global__ void hold_multiprocessors(long long cycles) {
 // one with half the SMs held by another kernel while its CTAs start (their dq turns then wait on
 // CTAs not yet started); the emulator runs two, its CTAs side by side in another order each launch.
 TEST_CASE("the fused backward's dq, dk and dv are bitwise the same on later runs (window 14)") {
-  const int T = 128 * (emulating_a_subset() ? 16 : 64), H = 6;
+  const int T = 128 * (testing_a_subset() ? 16 : 64), H = 6;
   const std::vector<uint16_t> tokens = layout(T, 600.0, 700);
   const LayoutMask layout_mask(tokens, 14);
   const AttentionMask& mask = *layout_mask.mask;
@@ -529,7 +529,7 @@ void check_into_dqkv(int T, int H, int window, uint64_t seed) {
 
 TEST_CASE("the fused backward into dqkv gives the backward and the passes' dqkv and scalar gradients") {
   check_into_dqkv(128 * 16, 2, 1, 900);
-  check_into_dqkv(128 * (emulating_a_subset() ? 16 : 64), emulating_a_subset() ? 2 : 6, 14, 910);
+  check_into_dqkv(128 * (testing_a_subset() ? 16 : 64), testing_a_subset() ? 2 : 6, 14, 910);
   const int T = 256, H = 1;
   const LayoutMask layout_mask(layout(T, 300.0, 920), 2);
   const size_t n = size_t(T) * H * D;
@@ -564,7 +564,7 @@ TEST_CASE("the fused backward into dqkv gives the backward and the passes' dqkv 
 // y and lse bit for bit: at the record's window and heads, over many items a CTA (the persistent
 // grids walk several), with poisoned outputs.
 TEST_CASE("the warp-specialised forward's y and lse are bitwise the other forward's (window 14, 6 heads)") {
-  const int T = 128 * (emulating_a_subset() ? 16 : 64), H = 6;
+  const int T = 128 * (testing_a_subset() ? 16 : 64), H = 6;
   const std::vector<uint16_t> tokens = layout(T, 600.0, 800);
   const LayoutMask layout_mask(tokens, 14);
   const size_t n = size_t(T) * H * D;

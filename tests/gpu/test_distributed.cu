@@ -49,7 +49,7 @@ std::vector<std::pair<std::string, int>> oracle_cases() {
   std::vector<std::pair<std::string, int>> all;
   for (const char* mode : {"fp32-rs", "bf16-rs", "a2a-fp32acc"})
     for (int W : {2, 3, 4, 8})
-      if (!emulating_a_subset() || std::string(mode) == "fp32-rs" || W == 3 || W == 8) all.push_back({mode, W});
+      if (!testing_a_subset() || std::string(mode) == "fp32-rs" || W == 3 || W == 8) all.push_back({mode, W});
   return all;
 }
 
@@ -175,7 +175,7 @@ TEST_CASE("W = 2, 3, 4, 8 simulated ranks (8 > M: some without a micro-sequence)
 
 TEST_CASE("real NCCL with one rank runs the same steps as W = 1 without communication, bitwise") {
   for (const char* mode : {"fp32-rs", "bf16-rs", "a2a-fp32acc"}) {  // the bf16 modes round at W = 1 too
-    if (emulating_a_subset() && std::string(mode) == "bf16-rs") continue;  // the CI subset: fp32 and all_to_all
+    if (testing_a_subset() && std::string(mode) == "bf16-rs") continue;  // the CI subset: fp32 and all_to_all
     std::string where;
     const Snapshot alone = train_ranks(1, mode, token_stream())[0];
     double error = worst_error(alone, train_ranks(1, mode, token_stream(), Backend::nccl), where);
@@ -265,7 +265,7 @@ void check_rekls_oracle(int W, int micro) {
 
 TEST_CASE("rekls: W = 2, 3 simulated ranks reproduce W = 1: parameters, factors, eigenbases, moments") {
   check_rekls_oracle(2, 2);
-  if (!emulating_a_subset()) check_rekls_oracle(3, 3);  // the CI subset: W = 2
+  if (!testing_a_subset()) check_rekls_oracle(3, 3);  // the CI subset: W = 2
 }
 
 TEST_CASE("rekls: W = 4, 8 (8 > M: some without a micro-sequence) reproduce W = 1: parameters, REKLS states") {

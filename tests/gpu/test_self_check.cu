@@ -177,7 +177,7 @@ TEST_CASE("--attention flash-ws: the self-check checks the warp-specialised forw
 TEST_CASE("wrong newest flash kernels: fallback takes the two-kernel flash path once it passes, not the reference") {
   // the emulator (CI) the default flash kernels only: each self-check here is a few emulated seconds
   const std::vector<const char*> attentions =
-      emulating_a_subset() ? std::vector<const char*>{"flash"} : std::vector<const char*>{"flash", "flash-ws"};
+      testing_a_subset() ? std::vector<const char*>{"flash"} : std::vector<const char*>{"flash", "flash-ws"};
   for (const char* attention : attentions) {
     Hyperparameters h = with_every_fast_path();
     h.attention = attention;
