@@ -378,18 +378,18 @@ class AcceptanceTest(unittest.TestCase):
         self.assertEqual(status, 0, output)
         self.assertIn("the tests at the CI-sized shapes (SPEEDRUN_TEST_SUBSET=1)", report)
         rows = re.findall(r"^\| ([\w() -]+?) \| (\w+) \| clean \(\d+ s\) \|  \|$", report, re.M)
-        self.assertEqual(rows, [("gpu_device (-programmatic)", "memcheck"), ("test_kernels", "memcheck"),
-                                ("test_attention", "memcheck"), ("test_residual", "memcheck"),
-                                ("test_fp8_head", "memcheck"), ("test_muon", "memcheck"), ("test_attention", "synccheck"),
-                                ("test_kernels", "synccheck"), ("gpu_device (-programmatic)", "synccheck"),
-                                ("test_attention", "racecheck"), ("test_kernels", "racecheck")])
+        self.assertEqual(rows, [("test_attention", "memcheck"), ("test_kernels", "memcheck"),
+                                ("test_attention", "synccheck"), ("test_kernels", "synccheck"),
+                                ("test_attention", "racecheck"), ("test_kernels", "racecheck"),
+                                ("gpu_device (-programmatic)", "memcheck"), ("gpu_device (-programmatic)", "synccheck"),
+                                ("test_residual", "memcheck"), ("test_fp8_head", "memcheck"), ("test_muon", "memcheck")])
         sanitized = [line for line in self.commands().splitlines() if line.startswith("compute-sanitizer")]
         self.assertEqual(len(sanitized), 11)
         self.assertTrue(all(line.endswith("SPEEDRUN_TEST_SUBSET=1") for line in sanitized), sanitized)
         self.assertIn("--tool memcheck --report-api-errors no --print-limit 20 --log-file", sanitized[0])
-        self.assertIn("build/tests/gpu_device -programmatic SPEEDRUN_TEST_SUBSET=1", sanitized[0])
-        self.assertIn("--tool racecheck --report-api-errors no --print-limit 20 --log-file", sanitized[-1])
-        self.assertIn("--racecheck-report hazard build/tests/test_kernels", sanitized[-1])
+        self.assertIn("build/tests/gpu_device -programmatic SPEEDRUN_TEST_SUBSET=1", sanitized[6])
+        self.assertIn("--tool racecheck --report-api-errors no --print-limit 20 --log-file", sanitized[5])
+        self.assertIn("--racecheck-report hazard build/tests/test_kernels", sanitized[5])
         self.assertIn("**sanitize: passed**", report)
 
     def test_a_sanitizer_finding_names_its_kernel_and_line_and_fails_the_phase(self):
@@ -418,7 +418,7 @@ class AcceptanceTest(unittest.TestCase):
         self.built_kernel_tests()
         status, report, _ = self.acceptance("sanitize", gpus=1, FAKE_SANITIZER="unsupported")
         self.assertEqual(status, 77)
-        self.assertIn("| gpu_device (-programmatic) | memcheck | not run: compute-sanitizer does not support this machine's GPU | "
+        self.assertIn("| test_attention | memcheck | not run: compute-sanitizer does not support this machine's GPU | "
                       "Error: Device not supported |", report)
         self.assertIn("**sanitize: compute-sanitizer cannot use this GPU: skipped**", report)
         status, report, _ = self.acceptance("sanitize", "tests", gpus=1, COMPUTE_SANITIZER="/nonexistent/compute-sanitizer")
