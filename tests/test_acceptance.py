@@ -98,7 +98,7 @@ STAND_INS = {
     # ctest: CTest's lines for the fast or the slow tests; FAKE_FAILING_TEST fails that one.
     "bin/ctest": """\
         #!/usr/bin/env bash
-        echo "ctest $*" >>"$FAKE_CALLS.commands"
+        echo "ctest $* (SPEEDRUN_TEST_SUBSET=${SPEEDRUN_TEST_SUBSET:-unset})" >>"$FAKE_CALLS.commands"
         tests="gpu_device test_kernels test_attention nan_stop"
         [[ " $* " == *" -L slow "* ]] && tests="test_model test_training test_distributed"
         echo "Test project $PWD/build"
@@ -318,7 +318,7 @@ class AcceptanceTest(unittest.TestCase):
         self.built_kernel_tests()
         out = os.path.join(self.root, "out")
         os.makedirs(out)
-        status, report, output = self.acceptance(gpus=1, OUT=out)
+        status, report, output = self.acceptance(gpus=1, OUT=out, SPEEDRUN_TEST_SUBSET="1")
         self.assertEqual(status, 0, output)
         self.assertIn("- GPUs (index, name, driver, memory):\n  - 0, NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB", report)
         self.assertIn("- driver's CUDA Version: 13.0", report)
@@ -342,6 +342,7 @@ class AcceptanceTest(unittest.TestCase):
         commands = self.commands()
         self.assertIn("ctest --test-dir build -L gpu -LE slow -E ^smoke_run$", commands)
         self.assertIn("ctest --test-dir build -L slow -j 3", commands)
+        self.assertNotIn("SPEEDRUN_TEST_SUBSET=1)", commands)  # the verdict at full shapes, whatever the caller set
         self.assertEqual(commands.count("cmake --preset release"), 1)  # configured once, then built per phase
         self.assertIn("--target slow_gpu_tests", commands)
         self.assertEqual(self.run_sh_calls()[0]["args"][:3], ["--self-check", "strict", "--self-check-only"])
