@@ -434,20 +434,31 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (take_producer_role()) {
     if (threadIdx.x != 0) return;
     uint32_t use = 0;
-    for (int r = 0, item; (item = snake_item(r, items)) >= 0; ++r) {
+    int r = 0;
+    for (int item; (item = snake_item(r, items)) >= 0; ++r) {
       const int qb = m.longest_first[item / a.H], h = item % a.H;
-      mbarrier_wait(q_empty, r % 2 ^ 1);  // the consumers' last scores of the previous item are done
+      // the consumers' last scores of the previous item are done
+      mbarrier_wait(q_empty, r % 2 ^ 1, "flash forward (ws): the producer's wait for the consumers to free Q");
       ptx::mbarrier_arrive_expect_tx(q_full, kTileBytes);
       tma_load_tile(q_tile, q_map, h, qb * kTile, q_full);
       for (int j = 0; j < m.kv_count[qb]; ++j, ++use) {
         const StageUse u = stage_use<kStages>(use);
-        mbarrier_wait(k_empty + u.stage, u.parity ^ 1);
+        mbarrier_wait(k_empty + u.stage, u.parity ^ 1, "flash forward (ws): the producer's wait for a free K stage");
         ptx::mbarrier_arrive_expect_tx(k_full + u.stage, kTileBytes);
         tma_load_tile(k_tile(u.stage), k_map, h, k0_of(qb, j), k_full + u.stage);
-        mbarrier_wait(v_empty + u.stage, u.parity ^ 1);
+        mbarrier_wait(v_empty + u.stage, u.parity ^ 1, "flash forward (ws): the producer's wait for a free V stage");
         ptx::mbarrier_arrive_expect_tx(v_full + u.stage, kTileBytes);
         tma_load_tile(v_tile(u.stage), v_map, h, k0_of(qb, j), v_full + u.stage);
       }
+    }
+    // The consumers' waits have no register to spare for a bound: the producer waits, as before a
+    // next use, until they have released Q and every stage, so that a consumer stuck on a phase that
+    // never completes leaves the producer's bounded wait to fail the launch.
+    mbarrier_wait(q_empty, r % 2 ^ 1, "flash forward (ws): the producer's last wait, for Q's release");
+    for (int i = 0; i < kStages; ++i) {
+      const StageUse u = stage_use<kStages>(use + i);
+      mbarrier_wait(k_empty + u.stage, u.parity ^ 1, "flash forward (ws): the producer's last waits, for K's release");
+      mbarrier_wait(v_empty + u.stage, u.parity ^ 1, "flash forward (ws): the producer's last waits, for V's release");
     }
     return;
   }
@@ -470,11 +481,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       return online_softmax(s, row_max, row_sum, correction, needs_mask(qb, k0 / kTile, last_start), q0, k0, row0,
                             row_start);
     };
-    mbarrier_wait(q_full, r % 2);
+    mbarrier_wait_unbounded(q_full, r % 2);
     if (count > 0) {
       float s[N][4];  // the scores of block j, then its P
       const StageUse first = stage_use<kStages>(use);
-      mbarrier_wait(k_full + first.stage, first.parity);
+      mbarrier_wait_unbounded(k_full + first.stage, first.parity);
       my_turn();
       wgmma_a_bt<kTile>(s, q_tile, consumer * 64, k_tile(first.stage), 0);
       other_turn();
@@ -484,8 +495,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       softmax_of_block(s, 0);
       for (int j = 0; j + 1 < count; ++j) {  // the last block peeled, as in forward_kernel
         const StageUse now = stage_use<kStages>(use + j), next = stage_use<kStages>(use + j + 1);
-        mbarrier_wait(k_full + next.stage, next.parity);
-        mbarrier_wait(v_full + now.stage, now.parity);
+        mbarrier_wait_unbounded(k_full + next.stage, next.parity);
+        mbarrier_wait_unbounded(v_full + now.stage, now.parity);
         uint32_t p[kTile / 16][4];
         pack_a_fragments(p, s);  // P(j) as bf16: s takes the next scores (no second fp32 tile)
         my_turn();
@@ -502,7 +513,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (moved) rescale(o, correction);
       }
       const StageUse last = stage_use<kStages>(use + count - 1);
-      mbarrier_wait(v_full + last.stage, last.parity);
+      mbarrier_wait_unbounded(v_full + last.stage, last.parity);
       my_turn();
       wgmma_p_b<kTile / 16>(o, s, v_tile(last.stage), 0);
       other_turn();
@@ -599,17 +610,17 @@ struct DqPartialSums {
   int* ticket;  // the items' start order (zero at the launch)
   int* turns;   // [H, T / 64]: contributions added so far to each (head, 64 queries) (zero at the launch)
 };
-// A turn that never comes (a scheduling bug) traps after 2^24 polls: each reads L2 (0.3-1 us under
-// load) and sleeps up to twice 64 ns, so 5-20 s, long past any honest wait (for an item a running
-// CTA has taken: tens of microseconds; milliseconds under time-slicing) and short beside a device
-// call's 10 minutes (2^30, before, would have taken all of them). A debugger stopping one CTA for
-// longer trips it.
+// A turn that never comes (a scheduling bug) fails the launch (ptx::fail_launch) after 2^24 polls:
+// each reads L2 (0.3-1 us under load) and sleeps up to twice 64 ns, so 5-20 s, long past any honest
+// wait (for an item a running CTA has taken: tens of microseconds; milliseconds under time-slicing)
+// and short beside a device call's 10 minutes (2^30, before, would have taken all of them). A
+// debugger stopping one CTA for longer trips it.
 constexpr unsigned kMaxTurnPolls = 1u << 24;
 
 // Thread 0 waits until `counter` reaches `turn`: every contribution before this CTA's is in.
 __device__ inline void wait_for_turn(const int* counter, int turn) {
   for (unsigned polls = 0; *reinterpret_cast<const volatile int*>(counter) != turn; ++polls) {
-    if (polls == kMaxTurnPolls) __trap();  // a scheduling bug: fail the launch instead of hanging the GPU
+    if (polls == kMaxTurnPolls) ptx::fail_launch("flash backward (fused): a wait for a dq turn that never came");
     __nanosleep(64);
   }
   __threadfence();

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x)
       for (int kb = 0; kb < k_blocks; ++kb, ++use) {
         const StageUse u = stage_use<kStages>(use);
-        mbarrier_wait(empty + u.stage, u.parity ^ 1);
+        mbarrier_wait(empty + u.stage, u.parity ^ 1, "our GEMM: the producer's wait for a free stage");
         ptx::mbarrier_arrive_expect_tx(full + u.stage, kATileBytes + kBTileBytes);
         ptx::tma_load_2d(a_tile(u.stage), &a_map, kb * kBlockK, tile / tiles_n * kTileRows, full + u.stage);
         if constexpr (b_layout == BLayout::k_major) {
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     float acc[kTileCols / 8][4];
     for (int kb = 0; kb < k_blocks; ++kb, ++use) {
       const StageUse u = stage_use<kStages>(use);
-      mbarrier_wait(full + u.stage, u.parity);
+      mbarrier_wait(full + u.stage, u.parity, "our GEMM: a consumer's wait for a stage's copies");
       fence_registers(acc);
       ptx::wgmma_fence();
 #pragma unroll

@@ -7,6 +7,22 @@
 
 namespace ptx {
 
+// Fails the launch: for a wait that can never end (a protocol bug), instead of hanging the GPU.
+// `what` names the wait for the reader and the emulator, which prints it; the GPU traps without a
+// message (CUDA's assertion, which would print it, is a call whose saved registers spill in the
+// kernels that wait), and compute-sanitizer names the trap's source line (tools/acceptance.sh
+// sanitize).
+__device__ inline void fail_launch(const char* /*what*/) { __trap(); }
+
+// The GPU's clock (%globaltimer, nanoseconds of about a microsecond's resolution) in units of
+// 1,024 ns, modulo 2^32 (73 minutes: differences of unsigned values are right across a wrap): for
+// bounding waits in one register.
+__device__ inline uint32_t global_timer_us() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+  return uint32_t(ns >> 10);
+}
+
 __device__ inline uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 // 16 bytes from global to shared memory without passing through registers; both 16-byte aligned.

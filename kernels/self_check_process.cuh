@@ -30,8 +30,10 @@ constexpr const char* kParentVariable = "SPEEDRUN_SELF_CHECK_PARENT";
 constexpr const char* kDoneVariable = "SPEEDRUN_SELF_CHECK_DONE";  // the first check name of each group, tab-separated
 
 // A group of checks may take this long before its process counts as hung: on a GPU each takes well
-// under a second (the first a few, with the libraries' start), and the fused attention backward's
-// turn wait traps after 5-20 s (flash_attention.cuh), which then reads as the GPU stopping.
+// under a second (the first a few, with the libraries' start), and a wait that never ends fails its
+// launch first (the fused attention backward's dq turns after 5-20 s, the mbarrier phases of the
+// warp-specialised kernels after 10 s: flash_attention.cuh, wgmma_tiles.cuh), which then reads as
+// the GPU stopping.
 constexpr double kSecondsPerGroup = 60;
 
 // The paths' switches by name, as the process that checks them is told: "flash_attention=1 ...".

@@ -382,13 +382,13 @@ class AcceptanceTest(unittest.TestCase):
         self.assertEqual(rows, [("test_attention", "memcheck"), ("test_kernels", "memcheck"),
                                 ("test_attention", "synccheck"), ("test_kernels", "synccheck"),
                                 ("test_attention", "racecheck"), ("test_kernels", "racecheck"),
-                                ("gpu_device (-programmatic)", "memcheck"), ("gpu_device (-programmatic)", "synccheck"),
+                                ("gpu_device (setmaxnreg)", "memcheck"), ("gpu_device (setmaxnreg)", "synccheck"),
                                 ("test_residual", "memcheck"), ("test_fp8_head", "memcheck"), ("test_muon", "memcheck")])
         sanitized = [line for line in self.commands().splitlines() if line.startswith("compute-sanitizer")]
         self.assertEqual(len(sanitized), 11)
         self.assertTrue(all(line.endswith("SPEEDRUN_TEST_SUBSET=1") for line in sanitized), sanitized)
         self.assertIn("--tool memcheck --report-api-errors no --print-limit 20 --log-file", sanitized[0])
-        self.assertIn("build/tests/gpu_device -programmatic SPEEDRUN_TEST_SUBSET=1", sanitized[6])
+        self.assertIn("build/tests/gpu_device setmaxnreg SPEEDRUN_TEST_SUBSET=1", sanitized[6])
         self.assertIn("--tool racecheck --report-api-errors no --print-limit 20 --log-file", sanitized[5])
         self.assertIn("--racecheck-report hazard build/tests/test_kernels", sanitized[5])
         self.assertIn("**sanitize: passed**", report)

@@ -11,6 +11,17 @@
 
 namespace ptx {
 
+// A failed launch, as the GPU's device-side assertion: the program stops, naming the wait.
+[[noreturn]] inline void fail_launch(const char* what) {
+  std::fprintf(stderr, "CUDA emulator: a kernel failed its launch (a trap on the GPU): %s\n", what);
+  std::abort();
+}
+
+// The emulator's clock stands still: it names a wait that can never end as a deadlock, at once and
+// exactly (threads.cpp), so a wait bounded by this clock never fails here however slowly the
+// emulated threads around it run (the GPU's tests check the bound: test_device).
+inline uint32_t global_timer_us() { return 0; }
+
 inline void require_aligned(const void* p, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % 16) {
     std::fprintf(stderr, "CUDA emulator: %s: address %p is not 16-byte aligned (misaligned address)\n", what, p);

@@ -35,6 +35,7 @@
 //   it releases shows (the other block reads the data unwritten).
 // - under programmatic dependent launch a thread that loads before its griddepcontrol.wait, or
 //   exits without one, stops the program; launched plainly the same kernels run;
+// - a bounded wait's end (ptx::fail_launch) stops the program naming the wait;
 // A launch that may be refused runs in a child process, since a refusal ends the program.
 #include "check.h"
 #include "gpu/tma_probes.cuh"
@@ -403,6 +404,19 @@ TEST_CASE("a spin on a block that cannot become resident (one block more than SM
                   reverse_turns_kernel<<<unsigned(blocks), 64>>>(counter.get(), order.get());
                 },
                 kEmulatedBlocks + 1, kEmulatedBlocks);
+}
+
+// A bounded wait's end (ptx::fail_launch, where a phase never completes on the GPU): the program stops
+// naming the wait; its block of threads is not run on.
+__global__ void fail_launch_kernel(float* out, int fail) {
+  if (fail && threadIdx.x == 5) ptx::fail_launch("the test's wait for a phase that never completes");
+  out[threadIdx.x % 8] = 1;
+}
+
+TEST_CASE("a failed launch (a bounded wait's end) stops the program naming the wait") {
+  Buffers buffers;
+  check_refused("a kernel failed its launch (a trap on the GPU): the test's wait for a phase that never completes",
+                [&](size_t fail) { fail_launch_kernel<<<1, 32>>>(buffers.out, int(fail)); }, 1, 0);
 }
 
 TEST_CASE("the resident blocks take turns between barriers, in another order in each launch") {

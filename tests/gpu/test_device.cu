@@ -4,6 +4,7 @@
 // do what the CPU emulator makes them do. Skips (exit 77) when no GPU is present.
 #include "gpu/gpu_test.h"
 #include "gpu/tma_probes.cuh"
+#include "kernels/host/child_process.h"
 #include "kernels/host/launch.cuh"
 #include "kernels/ptx.cuh"
 
@@ -127,4 +128,36 @@ TEST_CASE("the emulator's model of TMA, mbarriers, named barriers and setmaxnreg
   CHECK(store_wrong == 0);
 }
 
-int main(int argc, char** argv) { return run_gpu_checks(argc, argv); }
+// Set in the process of this test's own that runs the ring with a stage never released.
+constexpr const char* kStuckRingVariable = "SPEEDRUN_TEST_STUCK_RING";
+
+// A ring whose second consumer never releases its stages: the producer's wait for a free stage (and
+// the consumers' for copies that never come) would hang the GPU. The waits fail the launch after
+// about 10 s instead (wgmma_tiles::mbarrier_wait). In a process of its own, as a failed launch
+// ends its CUDA context.
+TEST_CASE("a wait for a phase that never completes fails the launch after about 10 s") {
+  const auto start = std::chrono::steady_clock::now();
+  const ChildOutcome child =
+      run_child(kThisProgram, {kThisProgram}, {std::string(kStuckRingVariable) + "=1"}, 60);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::string said;
+  for (const std::string& line : child.lines) said += line + "\n";
+  std::printf("  after %.1f s, %s:\n%s", seconds,
+              child.timed_out ? "no line for 60 s (killed)" : child.ending().c_str(), said.c_str());
+  CHECK(!child.timed_out);
+  CHECK(child.exit_status == 3);  // the launch failed, as below
+  CHECK(said.find("the stuck ring's launch: cuda") != std::string::npos);
+  CHECK(seconds >= 10);
+}
+
+int main(int argc, char** argv) {
+  if (std::getenv(kStuckRingVariable)) {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
+    tma_probes::Ring ring;
+    ring.run(tma_probes::RingMistake::missed_release);
+    const cudaError_t status = cudaDeviceSynchronize();
+    std::printf("the stuck ring's launch: %s\n", cudaGetErrorName(status));
+    std::_Exit(status == cudaSuccess ? 0 : 3);  // no destructor calls CUDA after the failure
+  }
+  return run_gpu_checks(argc, argv);
+}

@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CU
     if (threadIdx.x == 0)
       for (int t = 0; t < kRingTiles; ++t) {
         const int s = t % kRingStages;
-        while (!ptx::mbarrier_try_wait(&empty[s], (t / kRingStages % 2) ^ 1)) {
-        }
+        wgmma_tiles::mbarrier_wait(&empty[s], (t / kRingStages % 2) ^ 1,
+                                   "the TMA ring: the producer's wait for a free stage");
         ptx::mbarrier_arrive_expect_tx(&full[s], mistake == RingMistake::short_announce ? kRingBoxBytes / 2
                                                                                         : kRingBoxBytes);
         ptx::tma_load_2d(stages + s * kRingRows * kRingCols, &map, kRingCols, t * kRingRows, &full[s]);
@@ -77,8 +77,8 @@ __global__ void __launch_bounds__(384, 1) ring_kernel(const __grid_constant__ CU
     const int s = t % kRingStages;
     const uint32_t parity = t / kRingStages % 2;
     if (mistake != RingMistake::no_wait)
-      while (!ptx::mbarrier_try_wait(&full[s], mistake == RingMistake::wrong_parity ? parity ^ 1 : parity)) {
-      }
+      wgmma_tiles::mbarrier_wait(&full[s], mistake == RingMistake::wrong_parity ? parity ^ 1 : parity,
+                                 "the TMA ring: a consumer's wait for a stage's copy");
     ptx::named_barrier_sync(1 + consumer, 256);
     for (int i = thread; i < 32 * kRingCols; i += 128) {
       const int row = consumer * 32 + i / kRingCols, col = i % kRingCols;
@@ -126,7 +126,8 @@ __global__ void __launch_bounds__(256, 1) tma_wgmma_kernel(const __grid_constant
     }
     return;
   }
-  if (int(threadIdx.x / 32) != skip_warp) wgmma_tiles::mbarrier_wait(&full, 0);
+  if (int(threadIdx.x / 32) != skip_warp)
+    wgmma_tiles::mbarrier_wait(&full, 0, "the TMA box for wgmma: the wait for its copy");
   out[threadIdx.x - 128] = box_product(box);
 }
 
