@@ -452,8 +452,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
     }
     // The consumers' waits have no register to spare for a bound: the producer waits, as before a
-    // next use, until they have released Q and every stage, so that a consumer stuck on a phase that
-    // never completes leaves the producer's bounded wait to fail the launch.
+    // next use, until they have released Q and every stage, so that a consumer stuck on a phase of
+    // what the producer issued (a short copy, a wrong parity) leaves the producer's bounded wait to
+    // fail the launch. (The two sides count items and uses alike; a consumer waiting for a use the
+    // producer never issues would not be bounded.)
     mbarrier_wait(q_empty, r % 2 ^ 1, "flash forward (ws): the producer's last wait, for Q's release");
     for (int i = 0; i < kStages; ++i) {
       const StageUse u = stage_use<kStages>(use + i);

@@ -83,13 +83,14 @@ __device__ inline StageUse stage_use(uint32_t u) {
 // will (a wrong byte count, a missed arrive, the wrong parity: what the emulator reports as a
 // deadlock), and the launch fails (ptx::fail_launch, `what` naming the wait) instead of hanging the
 // GPU. An honest wait takes microseconds; one slowed by compute-sanitizer or time-slicing,
-// milliseconds.
+// milliseconds (a debugger holding a thread for longer trips it). The difference is read signed, so
+// that a step back of the clock (it follows the host's) does not read as 2^32 units.
 constexpr uint32_t kMaxPhaseWaitUs = 10'000'000;
 __device__ inline void mbarrier_wait(uint64_t* barrier, uint32_t parity, const char* what) {
   if (ptx::mbarrier_try_wait(barrier, parity)) return;
   const uint32_t start = ptx::global_timer_us();  // one register: the producers have 24
   while (!ptx::mbarrier_try_wait(barrier, parity))
-    if (ptx::global_timer_us() - start > kMaxPhaseWaitUs) ptx::fail_launch(what);
+    if (int32_t(ptx::global_timer_us() - start) > int32_t(kMaxPhaseWaitUs)) ptx::fail_launch(what);
 }
 // The same wait without the bound, for threads with no register to spare (the flash-ws consumers,
 // whose producer's bounded waits at its end bound them instead: flash_attention.cuh).

@@ -244,8 +244,9 @@ sanitizer_program() {
 }
 
 # tool:test[:case], case a name fragment the test's cases are selected by (tests/check.h; "-fragment"
-# leaves those out): of gpu_device only its probes of TMA, mbarriers and setmaxnreg (its other cases
-# need two kernels at once, or fail a launch on purpose). The hand-written Hopper kernels first, so
+# leaves those out): of gpu_device only its probes of TMA, mbarriers and setmaxnreg (of its other
+# cases one needs two kernels at once, one fails a launch on purpose, the rest check the device and
+# the libraries' loading). The hand-written Hopper kernels first, so
 # that a budget cut leaves out the kernels that have run on a GPU before.
 default_sanitize_runs=(memcheck:test_attention memcheck:test_kernels synccheck:test_attention synccheck:test_kernels
   racecheck:test_attention racecheck:test_kernels memcheck:gpu_device:setmaxnreg synccheck:gpu_device:setmaxnreg
