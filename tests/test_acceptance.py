@@ -192,8 +192,12 @@ STAND_INS = {
         import os, subprocess, sys, time
         args = sys.argv[1:]
         tool, log = args[args.index("--tool") + 1], args[args.index("--log-file") + 1]
-        program = next(arg for arg in args if arg.startswith("build/tests/"))
-        test = os.path.basename(program)
+        options = ("--tool", "--log-file", "--print-limit", "--report-api-errors", "--racecheck-report")
+        at = 0
+        while args[at] in options:
+            at += 2
+        program = args[at]
+        test = os.path.basename(program) + ("(opt-in)" if "--qkv-backward" in args else "")
         with open(os.environ["FAKE_CALLS"] + ".commands", "a") as calls:
             calls.write(f"compute-sanitizer {' '.join(args)} SPEEDRUN_TEST_SUBSET={os.environ.get('SPEEDRUN_TEST_SUBSET')}\\n")
         behaviour = os.environ.get("FAKE_SANITIZER", "")
@@ -205,7 +209,7 @@ STAND_INS = {
             if behaviour == f"hang:{test}":
                 out.flush()
                 time.sleep(30)
-            status = subprocess.run(args[args.index(program):]).returncode
+            status = subprocess.run(args[at:]).returncode
             if behaviour == f"fault:{test}:{tool}":
                 out.write("========= Invalid __global__ write of size 4 bytes\\n"
                           "=========     at flash_backward_kernel<(int)128>(const Args &)+0x1a30 in kernels/flash_attention.cuh:812\\n"
@@ -291,6 +295,10 @@ class AcceptanceTest(unittest.TestCase):
     def commands(self):
         """The cmake and ctest command lines, one a line."""
         return self.read(self.calls + ".commands")
+
+    def run_programs(self):
+        """The trainer's and the record code's command lines, one a line."""
+        return self.read(self.calls + ".programs").splitlines()
 
     def run_sh_calls(self):
         return [json.loads(line) for line in self.read(self.calls).splitlines()]
@@ -382,13 +390,22 @@ class AcceptanceTest(unittest.TestCase):
         self.assertEqual(rows, [("test_attention", "memcheck"), ("test_kernels", "memcheck"),
                                 ("test_attention", "synccheck"), ("test_kernels", "synccheck"),
                                 ("test_attention", "racecheck"), ("test_kernels", "racecheck"),
+                                ("train_gpt", "memcheck"), ("train_gpt (opt-in)", "memcheck"),
                                 ("gpu_device (setmaxnreg)", "memcheck"), ("gpu_device (setmaxnreg)", "synccheck"),
                                 ("test_residual", "memcheck"), ("test_fp8_head", "memcheck"), ("test_muon", "memcheck")])
         sanitized = [line for line in self.commands().splitlines() if line.startswith("compute-sanitizer")]
-        self.assertEqual(len(sanitized), 11)
+        self.assertEqual(len(sanitized), 13)
         self.assertTrue(all(line.endswith("SPEEDRUN_TEST_SUBSET=1") for line in sanitized), sanitized)
         self.assertIn("--tool memcheck --report-api-errors no --print-limit 20 --log-file", sanitized[0])
-        self.assertIn("build/tests/gpu_device setmaxnreg SPEEDRUN_TEST_SUBSET=1", sanitized[6])
+        self.assertIn("build/tests/gpu_device setmaxnreg SPEEDRUN_TEST_SUBSET=1", sanitized[8])
+        trainer_runs = [line for line in self.run_programs() if line.startswith("train_gpt ")]
+        self.assertEqual(len(trainer_runs), 2)
+        for line in trainer_runs:
+            self.assertIn("--num-iterations 2 --micro-batches 1 --seq-len 16384", line)
+            self.assertIn("--self-check off", line)
+        self.assertNotIn("--qkv-backward fused", trainer_runs[0])
+        self.assertIn("--attention flash-ws --mlp-fc fused --qkv fused --qkv-backward fused --launch-overlap pdl",
+                      trainer_runs[1])
         self.assertIn("--tool racecheck --report-api-errors no --print-limit 20 --log-file", sanitized[5])
         self.assertIn("--racecheck-report hazard build/tests/test_kernels", sanitized[5])
         self.assertIn("**sanitize: passed**", report)
@@ -427,11 +444,12 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("No compute-sanitizer (/nonexistent/compute-sanitizer): nothing checked.", report)
         self.assertIn("**sanitize: no compute-sanitizer: skipped**", report)
         self.assertIn("**tests: passed**", report)
-        for runs in ("memcheck:test_kernels asan:test_kernels", " "):
+        for runs in ("memcheck:test_kernels asan:test_kernels", " ", "memcheck:train_gpt:fast"):
             status, report, _ = self.acceptance("sanitize", gpus=1, SANITIZE_RUNS=runs)
             self.assertEqual(status, 1)
-            self.assertIn(f"SANITIZE_RUNS: '{runs.split()[-1] if runs.strip() else 'none'}' is not tool:test or "
-                          "tool:test:case (tool: memcheck, racecheck, synccheck or initcheck).", report)
+            self.assertIn(f"SANITIZE_RUNS: '{runs.split()[-1] if runs.strip() else 'none'}' is not tool:test, "
+                          "tool:test:case, tool:train_gpt or tool:train_gpt:opt-in (tool: memcheck, racecheck, "
+                          "synccheck or initcheck).", report)
 
     def test_a_refusal_after_a_finding_still_fails_the_phase_and_an_earlier_report_is_not_read(self):
         self.built_kernel_tests()

@@ -246,11 +246,18 @@ sanitizer_program() {
 # tool:test[:case], case a name fragment the test's cases are selected by (tests/check.h; "-fragment"
 # leaves those out): of gpu_device only its probes of TMA, mbarriers and setmaxnreg (of its other
 # cases one needs two kernels at once, one fails a launch on purpose, the rest check the device and
-# the libraries' loading). The hand-written Hopper kernels first, so
+# the libraries' loading). tool:train_gpt is the trainer itself, 2 steps on the bundled sample with
+# its default paths (the kernels wired at the model's shapes, which the tests' own shapes are not),
+# tool:train_gpt:opt-in with every opt-in fast path. The hand-written Hopper kernels first, so
 # that a budget cut leaves out the kernels that have run on a GPU before.
 default_sanitize_runs=(memcheck:test_attention memcheck:test_kernels synccheck:test_attention synccheck:test_kernels
-  racecheck:test_attention racecheck:test_kernels memcheck:gpu_device:setmaxnreg synccheck:gpu_device:setmaxnreg
-  memcheck:test_residual memcheck:test_fp8_head memcheck:test_muon)
+  racecheck:test_attention racecheck:test_kernels memcheck:train_gpt memcheck:train_gpt:opt-in
+  memcheck:gpu_device:setmaxnreg synccheck:gpu_device:setmaxnreg memcheck:test_residual memcheck:test_fp8_head
+  memcheck:test_muon)
+sanitized_trainer_flags=(--train-files "data/sample/sample_train_*.bin" --val-files "data/sample/sample_val_*.bin"
+  --num-iterations 2 --micro-batches 1 --seq-len 16384 --warmup-steps 0 --val-every 0 --val-tokens 65536
+  --val-seq-len 16384 --self-check off)
+opt_in_paths=(--attention flash-ws --mlp-fc fused --qkv fused --qkv-backward fused --launch-overlap pdl)
 
 # sanitizer_finding <log>: the first error compute-sanitizer reported (a line of its own, the details
 # indented below it), with its first detail that says where ("at <kernel>+<offset> in <file>:<line>",
@@ -269,8 +276,10 @@ phase_sanitize() {
   runs=("${default_sanitize_runs[@]}")
   [[ ! -v SANITIZE_RUNS ]] || read -ra runs <<<"$SANITIZE_RUNS"
   for run in "${runs[@]:-none}"; do  # "none": a blank SANITIZE_RUNS is refused too
-    if [[ ! $run =~ ^(memcheck|racecheck|synccheck|initcheck):([A-Za-z0-9_]+)(:[^:]+)?$ ]]; then
-      say "SANITIZE_RUNS: '$run' is not tool:test or tool:test:case (tool: memcheck, racecheck, synccheck or initcheck)."
+    if [[ ! $run =~ ^(memcheck|racecheck|synccheck|initcheck):([A-Za-z0-9_]+)(:[A-Za-z0-9_.-]+)?$ ||
+      ($run == *:train_gpt:* && $run != *:train_gpt:opt-in) ]]; then
+      say "SANITIZE_RUNS: '$run' is not tool:test, tool:test:case, tool:train_gpt or tool:train_gpt:opt-in \
+(tool: memcheck, racecheck, synccheck or initcheck)."
       return 1
     fi
     [[ " ${tests[*]} " == *" ${BASH_REMATCH[2]} "* ]] || tests+=("${BASH_REMATCH[2]}")
@@ -292,20 +301,28 @@ phase_sanitize() {
       failed=1
       continue
     fi
-    local extra=() begun=$SECONDS found=$dir/${test}_$tool.txt
+    local extra=() command_line begun=$SECONDS file=$dir/$test${cases:+_$cases}_$tool
+    local found=$file.txt
     [[ $tool == racecheck ]] && extra=(--racecheck-report hazard)
+    if [[ $test == train_gpt ]]; then
+      command_line=("$trainer" "${sanitized_trainer_flags[@]}" --log-dir "$file.logs" \
+        --checkpoint-dir "$work/checkpoints_${file##*/}")
+      [[ -z $cases ]] || command_line+=("${opt_in_paths[@]}")
+    else
+      command_line=("build/tests/$test" ${cases:+"$cases"})
+    fi
     rm -f "$found"  # an earlier call's, the same day on this machine: never read as this run's
     # --report-api-errors no: a CUDA call that returns an error the program handles (a library probing
     # the driver) is not a finding; our own calls' errors fail the test itself
-    capture "$dir/${test}_$tool.out" env SPEEDRUN_TEST_SUBSET=1 timeout -k 10 "$limit" "$sanitizer" --tool "$tool" \
-      --report-api-errors no --print-limit 20 --log-file "$found" "${extra[@]}" "build/tests/$test" ${cases:+"$cases"}
+    capture "$file.out" env SPEEDRUN_TEST_SUBSET=1 timeout -k 10 "$limit" "$sanitizer" --tool "$tool" \
+      --report-api-errors no --print-limit 20 --log-file "$found" "${extra[@]}" "${command_line[@]}"
     status=$?
     # memcheck, synccheck, initcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards
     # displayed (E errors, W warnings)"
     errors=$(sed -nE -e 's/^========= ERROR SUMMARY: ([0-9]+) errors?$/\1/p' \
       -e 's/^========= RACECHECK SUMMARY: .*\(([0-9]+) errors?, .*$/\1/p' "$found" 2>/dev/null | tail -1)
     # before it opens its log file, compute-sanitizer says on its own output what stops it
-    [[ -s $found ]] || cp "$dir/${test}_$tool.out" "$found"
+    [[ -s $found ]] || cp "$file.out" "$found"
     if grep -qs 'Device not supported' "$found"; then
       say "| $name | $tool | not run: compute-sanitizer does not support this machine's GPU | $(sanitizer_finding "$found") |"
       ((failed)) && return 1  # the runs before it found something
@@ -325,7 +342,8 @@ phase_sanitize() {
     [[ $result == clean* ]] || failed=1
     say "| $name | $tool | $result | $(sanitizer_finding "$found") |"
   done
-  say "" "Each run's sanitizer report: sanitize/<test>_<tool>.txt beside $phase.log; the test's own lines: .out."
+  say "" "Each run's sanitizer report: sanitize/<test>[_<case>]_<tool>.txt beside $phase.log; the program's own \
+lines: .out."
   return "$failed"
 }
 
