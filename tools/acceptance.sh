@@ -7,10 +7,10 @@
 #               references side by side)
 #   sanitize    the kernels' tests under compute-sanitizer at the CI-sized shapes (SPEEDRUN_TEST_SUBSET=1:
 #               the emulator's subset, on the GPU), each run's first finding named by its source line
-#               (the gpu tests carry -lineinfo): memcheck over the kernel tests and the trainer (2 steps
-#               on the bundled sample, its default and its opt-in paths), synccheck and racecheck
-#               over the hand-written Hopper kernels' (default_sanitize_runs below; SANITIZE_RUNS=
-#               "tool:test[:case] ..." others); a run is stopped after ACCEPTANCE_SANITIZE_TIMEOUT
+#               (the gpu tests and the trainer carry -lineinfo): memcheck over the kernel tests and the
+#               trainer (2 steps on the bundled sample, its default and its opt-in paths), synccheck and
+#               racecheck over the hand-written Hopper kernels' (default_sanitize_runs below;
+#               SANITIZE_RUNS="tool:test[:case] ..." others); a run is stopped after ACCEPTANCE_SANITIZE_TIMEOUT
 #               (120 s), and none starts once the phase, its build included, has taken
 #               ACCEPTANCE_SANITIZE_BUDGET (420 s). racecheck's hazards on buffers that TMA writes or
 #               wgmma reads (the async proxy) are to be read against the kernel's mbarrier protocol
