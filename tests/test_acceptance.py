@@ -401,7 +401,7 @@ class AcceptanceTest(unittest.TestCase):
         trainer_runs = [line for line in self.run_programs() if line.startswith("train_gpt ")]
         self.assertEqual(len(trainer_runs), 2)
         for line in trainer_runs:
-            self.assertIn("--num-iterations 2 --micro-batches 1 --seq-len 16384", line)
+            self.assertIn("--num-iterations 2 --micro-batches 1 --seq-len 4096", line)
             self.assertIn("--self-check off", line)
         self.assertNotIn("--qkv-backward fused", trainer_runs[0])
         self.assertIn("--attention flash-ws --mlp-fc fused --qkv fused --qkv-backward fused --launch-overlap pdl",

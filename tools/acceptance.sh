@@ -256,8 +256,8 @@ default_sanitize_runs=(memcheck:test_attention memcheck:test_kernels synccheck:t
   memcheck:gpu_device:setmaxnreg synccheck:gpu_device:setmaxnreg memcheck:test_residual memcheck:test_fp8_head
   memcheck:test_muon)
 sanitized_trainer_flags=(--train-files "data/sample/sample_train_*.bin" --val-files "data/sample/sample_val_*.bin"
-  --num-iterations 2 --micro-batches 1 --seq-len 16384 --warmup-steps 0 --val-every 0 --val-tokens 65536
-  --val-seq-len 16384 --self-check off)
+  --num-iterations 2 --micro-batches 1 --seq-len 4096 --warmup-steps 0 --val-every 0 --val-tokens 32768
+  --val-seq-len 4096 --self-check off)  # the oracle's sequences (4,096 tokens: 32 blocks, windows to 14)
 opt_in_paths=(--attention flash-ws --mlp-fc fused --qkv fused --qkv-backward fused --launch-overlap pdl)
 
 # sanitizer_finding <log>: the first error compute-sanitizer reported (a line of its own, the details
