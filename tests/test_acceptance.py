@@ -344,6 +344,7 @@ class AcceptanceTest(unittest.TestCase):
                       "runtime 13.0, cuBLASLt 130100, NCCL 22805", report)
         self.assertIn("| 0 | flash attention forward | 1.2e-03 | 2e-02 | ok |", report)
         self.assertIn("- GPU 0: self-check: 2 checks, 0 failed, 2.1 s", report)
+        self.assertNotIn("The line that faults", report)  # nothing failed
         self.assertIn("| rmsnorm fwd [49152, 768] | 0.056 | 2.68 TB/s | 89.1% |", report)
         self.assertIn("| compiled F.rms_norm fwd | 0.070 | 0.056 | 0.80 |", report)
         self.assertIn("One GPU: W ranks share it (`--ranks-share-gpu`", report)
@@ -377,7 +378,9 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("| 0 | fp8 head logits | 3.1e-01 | 5e-02 | FAILED |", report)
         self.assertIn("| 0 | batched Muon 768x768 | - | - | FAILED: hung: no result in 60 s (its process was ended) |",
                       report)
-        self.assertIn("- GPU 0: self-check: 3 checks, 2 failed, 2.1 s", report)
+        self.assertIn("- GPU 0: self-check: 3 checks, 2 failed, 2.1 s\n\nThe line that faults, if one does: "
+                      "`tools/acceptance.sh sanitize` (the kernels' tests and the trainer with every fast path under "
+                      "compute-sanitizer).", report)
         self.assertIn("**self-check: FAILED**", report)
         self.assertIn(f"send {self.report} and the failed phases' .log files", output)
 

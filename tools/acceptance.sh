@@ -385,6 +385,9 @@ phase_self_check() {
     summaries+=("- GPU $gpu: $summary")
   done
   say "" "${summaries[@]}"
+  ((failed == 0)) ||
+    say "" "The line that faults, if one does: \`tools/acceptance.sh sanitize\` (the kernels' tests and the trainer \
+with every fast path under compute-sanitizer)."
   return "$failed"
 }
 
