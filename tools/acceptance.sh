@@ -217,13 +217,15 @@ ctest_phase() {
   # Verbose: every test's own lines (its errors and margins) go to the phase's log, passed ones too.
   capture "$work/ctest.txt" ctest --test-dir build "$@" --no-tests=error --verbose
   local status=$?
+  # CTest's line of a finished test: "  3/12 Test  #3: <name> ....   Passed    0.81 sec" (or ***Failed)
+  local finished='^ *[0-9]+/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*'
   say "" "| test | result | time |" "|---|---|---|"
-  say "$(sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*(\*\*\*| +)(.*[^ ]) +([0-9.]+) sec$/| \1 | \3 | \4 s |/p' "$work/ctest.txt")"
+  say "$(sed -nE "s@$finished(\*\*\*| +)(.*[^ ]) +([0-9.]+) sec\$@| \1 | \3 | \4 s |@p" "$work/ctest.txt")"
   say "" "$(grep -E '^[0-9]+% tests passed' "$work/ctest.txt" || echo "CTest gave no summary: see $phase.log.")"
   local failed_tests=() test
   while read -r test; do
     [[ -x build/tests/$test ]] && failed_tests+=("memcheck:$test")
-  done < <(sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*\*\*\*(Failed|Timeout|Exception).*$/\1/p' "$work/ctest.txt")
+  done < <(sed -nE "s@$finished\*\*\*(Failed|Timeout|Exception).*@\1@p" "$work/ctest.txt")
   ((${#failed_tests[@]} == 0)) ||
     say "" "The line that faults, if one does: \`SANITIZE_RUNS=\"${failed_tests[*]}\" tools/acceptance.sh sanitize\`."
   return "$status"

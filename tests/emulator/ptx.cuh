@@ -11,7 +11,7 @@
 
 namespace ptx {
 
-// A failed launch, as the GPU's device-side assertion: the program stops, naming the wait.
+// A failed launch (a trap on the GPU, which names nothing): the program stops, naming the wait.
 [[noreturn]] inline void fail_launch(const char* what) {
   std::fprintf(stderr, "CUDA emulator: a kernel failed its launch (a trap on the GPU): %s\n", what);
   std::abort();
