@@ -7,7 +7,7 @@
 #               references side by side)
 #   sanitize    the kernels' tests under compute-sanitizer at the CI-sized shapes (SPEEDRUN_TEST_SUBSET=1:
 #               the emulator's subset, on the GPU), each run's first finding named by its source line
-#               (the gpu tests and the trainer carry -lineinfo): memcheck over the kernel tests and the
+#               (every CUDA target carries -lineinfo): memcheck over the kernel tests and the
 #               trainer (2 steps on the bundled sample, its default and its opt-in paths), synccheck and
 #               racecheck over the hand-written Hopper kernels' (default_sanitize_runs below;
 #               SANITIZE_RUNS="tool:test[:case] ..." others); a run is stopped after ACCEPTANCE_SANITIZE_TIMEOUT
