@@ -96,7 +96,7 @@ struct Hyperparameters {
   std::string grad_comm = "fp32-rs"; // gradient traffic: fp32-rs, bf16-rs or a2a-fp32acc (SPEC 4.3)
   // Streaming DiLoCo across replica groups (kernels/diloco.cuh); 1 group: off
   int diloco_groups = 1;
-  int diloco_fragments = 3;         // 12 blocks: 4 a fragment
+  int diloco_fragments = 3;         // each sync sends about a third of the model
   int diloco_sync_every = 30;       // H: each fragment syncs ~59 times in the record's 1770 steps
   int diloco_sync_delay = 0;
   double diloco_outer_lr = 0.7, diloco_outer_momentum = 0.9;  // the DiLoCo paper's outer Nesterov SGD
@@ -208,7 +208,8 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "non-negative"},
       {"rekls-eigenbasis-every", &h.rekls_eigenbasis_every, "REKLS steps between eigendecompositions (1: every step)",
        positive(&h.rekls_eigenbasis_every), "positive"},
-      {"seed", &h.seed, "initialisation seed (0: a fresh one per run, logged)", nullptr, ""},
+      {"seed", &h.seed, "initialisation seed (0: a fresh one per run, logged)",
+       [&h] { return h.seed < uint64_t(1) << 52; }, "below 2^52 (exact through the ranks' double all-reduce)"},
       {"checkpoint-every", &h.checkpoint_every, "steps between checkpoints (0: at the end only)",
        non_negative(&h.checkpoint_every), "non-negative"},
       {"checkpoint-dir", &h.checkpoint_dir, "folder of the checkpoints", nullptr, ""},
@@ -223,7 +224,7 @@ inline std::vector<Flag> flag_table(Hyperparameters& h) {
        "Streaming DiLoCo over this many replica groups of consecutive ranks (1: off); must divide the ranks",
        positive(&h.diloco_groups), "positive"},
       {"diloco-fragments", &h.diloco_fragments,
-       "DiLoCo fragments: consecutive blocks (the embeddings with the first, lm_head and scalars with the last)",
+       "DiLoCo fragments: whole parameters, balanced by element count (each sync sends about 1/F of the model)",
        positive(&h.diloco_fragments), "positive (at most the model's 12 blocks)"},
       {"diloco-sync-every", &h.diloco_sync_every, "DiLoCo: steps between two syncs of a fragment (H)",
        [&h] { return h.diloco_groups <= 1 || (h.diloco_sync_every > 0 && h.diloco_sync_every % h.diloco_fragments == 0); },
@@ -532,6 +533,10 @@ inline std::string train_step_line(int step, int num_iterations, double train_ms
   return line;
 }
 
+// The reference log's last line, in its words. Here "allocated" is what DeviceMemory holds (the
+// model, its gradients and activations; not the buffers that the FP8 head, cuBLASLt's workspaces,
+// Muon's and REKLS's scratch and DiLoCo allocate on their own), "reserved" the GPU's memory in use
+// by every process.
 inline std::string peak_memory_line(size_t allocated_bytes, size_t reserved_bytes) {
   return "peak memory allocated: " + std::to_string(allocated_bytes >> 20) +
          " MiB reserved: " + std::to_string(reserved_bytes >> 20) + " MiB";
@@ -668,7 +673,7 @@ inline uint64_t checkpoint_hash(const std::vector<uint8_t>& bytes) {
     mix(word);
   }
   uint64_t tail = 0;
-  std::memcpy(&tail, bytes.data() + i, bytes.size() - i);
+  if (i < bytes.size()) std::memcpy(&tail, bytes.data() + i, bytes.size() - i);  // (an empty blob's data() may be null)
   mix(tail);
   return h;
 }
@@ -679,9 +684,12 @@ inline std::string checkpoint_path(const std::string& dir, int step) {
   return dir + "/" + name;
 }
 
-// The bytes reach the disk (fsync) before the rename makes them the checkpoint of that step.
+// The bytes reach the disk (fsync) before the rename makes them the checkpoint of that step. Every
+// failure is a CheckpointError naming the file (exit status 5), and leaves no temporary file.
 inline void write_checkpoint(const std::string& dir, const Checkpoint& c) {
-  std::filesystem::create_directories(dir);
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) throw CheckpointError(dir + ": cannot create the checkpoint folder: " + error.message());
   std::string path = checkpoint_path(dir, c.step), temp = path + ".tmp";
   {
     std::unique_ptr<FILE, int (*)(FILE*)> out(std::fopen(temp.c_str(), "wb"), &std::fclose);
@@ -706,8 +714,13 @@ inline void write_checkpoint(const std::string& dir, const Checkpoint& c) {
       throw CheckpointError(temp + ": write failed: " + reason);
     }
   }
-  std::filesystem::rename(temp, path);
-  const int folder = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);  // the rename itself reaches the disk
+  std::filesystem::rename(temp, path, error);
+  if (error) {
+    std::filesystem::remove(temp, error);
+    throw CheckpointError(path + ": cannot rename " + temp + " to it: " + error.message());
+  }
+  // The rename itself reaches the disk; best effort (some file systems cannot sync a folder).
+  const int folder = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (folder >= 0) ::fsync(folder), ::close(folder);
 }
 
@@ -1985,6 +1998,15 @@ inline void check_same_flags(const Hyperparameters& h, DeviceCommunicator& comm)
                              "'s: " + text.substr(0, text.size() - 1) + ")");
 }
 
+// DiLoCo's communicators, split from the world once every rank's flags are known to agree: the
+// split is the first collective whose calls depend on a flag (--diloco-groups), so ranks started
+// with different ones would hang in it rather than be told. Every rank reaches the same verdict, so
+// all of them unwind together.
+inline ReplicaGroups replica_groups_of_agreed_flags(const Hyperparameters& h, DeviceCommunicator& world) {
+  check_same_flags(h, world);
+  return ReplicaGroups(world, h.diloco_groups);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Training state: everything the rest of a run depends on, for checkpoints and the warmup restore.
 // ------------------------------------------------------------------------------------------------
@@ -2382,7 +2404,6 @@ inline void check_output_folders(const Hyperparameters& h, const ProcessGroupEnv
   if (g.rank == 0 || h.timeline_step > 0) check_writable(h.log_dir, "the run's logs");
 }
 
-// Throws for a checkpoint this run cannot continue; returns how the settings differ ("" if not).
 // Whether two globs match the same files (the same file by any path, in order, of the same sizes).
 inline bool same_shard_files(const std::string& a, const std::string& b) {
   try {
@@ -2400,6 +2421,7 @@ inline bool same_shard_files(const std::string& a, const std::string& b) {
   }
 }
 
+// Throws for a checkpoint this run cannot continue; returns how the settings differ ("" if not).
 inline std::string settings_differences(const Hyperparameters& h, int world_size, const Checkpoint& c,
                                         const std::string& path) {
   if (std::filesystem::path(path).filename() != std::filesystem::path(checkpoint_path("", c.step)).filename())
@@ -2447,7 +2469,7 @@ inline std::string other_world_size(const Hyperparameters& h, const ProcessGroup
 
 // The checkpoint at `path`, read and checked against this run's settings and model.
 inline ResumePoint resume_point_at(const std::string& path, const Hyperparameters& h, int world_size,
-                                   const GPTConfig& config = GPTConfig()) {
+                                   const GPTConfig& config) {
   try {
     ResumePoint r;
     r.path = path;
@@ -2712,10 +2734,9 @@ inline SelfCheckOutcome self_check_paths(const Hyperparameters& h, const SelfChe
 // The run's checks: in processes of their own (this trainer started again with `args`:
 // kernels/self_check_process.cuh), so that a kernel that hangs or stops the GPU fails its path
 // instead of ending the run, each line they report calling `on_progress`; in this process where
-// there are no `args` (tests) or where the GPU admits one process (exclusive-process compute mode).
+// the GPU admits one process (exclusive-process compute mode).
 inline PathChecks run_checks(const std::vector<std::string>& args, const PathChecks& here,
                              const std::function<void()>& on_progress = nullptr) {
-  if (args.empty()) return here;
   int device = 0, mode = cudaComputeModeDefault;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device));
@@ -2753,12 +2774,12 @@ inline ExitStatus exit_status_of(const std::exception& e) {
 // One training run of this process: the model, its optimizers and data, and rank 0's log.
 class TrainingRun {
  public:
-  // settings: run_settings_report's lines for the log (empty in tests); args: the trainer's
-  // arguments, with which the self-check's processes start (none: the checks run in this process)
-  TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings = "",
-              const std::vector<std::string>& args = {})
+  // settings: run_settings_report's lines for the log; args: the trainer's arguments, with which
+  // the self-check's processes start
+  TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings,
+              const std::vector<std::string>& args)
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
-        groups_(*comm_, h.diloco_groups), model_(config_, memory_),
+        groups_(replica_groups_of_agreed_flags(h, *comm_)), model_(config_, memory_),
         optimizers_(h, model_.params, group(), memory_),
         train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head, /*mlp_pre_activations=*/false),
         eval_(config_, h.val_seq_len, false, memory_, false, /*mlp_pre_activations=*/false),
@@ -2780,7 +2801,7 @@ class TrainingRun {
   // Unwinding could then block, in NCCL's abort or in a cudaFree (which waits for this GPU's
   // collective kernels), before main says why. With peers the error is said and the process ends at
   // once (the launcher stops the others), as a stalled rank's does. (An error while the members are
-  // built, out of memory say, unwinds: no collective kernel is queued by then.)
+  // built, out of memory say, unwinds: no collective kernel is in flight by then, the flags' vote done.)
   template <class F>
   auto ending_rank_on_error(F&& f) -> decltype(f()) {
     try {
@@ -2791,13 +2812,12 @@ class TrainingRun {
     }
   }
 
-  // After the members: every rank's flags and seed, the self-check, rank 0's log.
+  // After the members (every rank's flags already agree: groups_): the seed, the self-check, rank 0's log.
   void start(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings,
              const std::vector<std::string>& args) {
     beat("initialisation");
-    check_same_flags(h, *comm_);
     // Every rank initialises from rank 0's seed (52 bits: exact through the double all-reduce).
-    uint64_t seed = comm_->rank() == 0 ? (h.seed ? h.seed : fresh_seed()) & ((uint64_t(1) << 52) - 1) : 0;
+    uint64_t seed = comm_->rank() == 0 ? (h.seed ? h.seed : fresh_seed() & ((uint64_t(1) << 52) - 1)) : 0;
     counters_.seed = uint64_t(comm_->all_reduce_sum(double(seed)));
     initialize_parameters(config_, model_.params, counters_.seed);
     if (groups_.group) {  // every group starts from the same parameters: the global copies
@@ -3036,8 +3056,6 @@ class TrainingRun {
   std::unique_ptr<RunLog> log_;  // rank 0 only
 };
 
-// Everything that can be checked without the GPU is checked first, so that bad input is named
-// before minutes of initialisation (and on machines without a GPU).
 // The launcher's environment (RANK, WORLD_SIZE, MASTER_PORT, ...); a value that cannot be is a bad
 // setting, as a bad flag is (exit 2).
 inline ProcessGroupEnv launcher_environment() {
@@ -3090,6 +3108,8 @@ inline int self_check_process_main(const Hyperparameters& h, const std::string& 
   return 0;
 }
 
+// Everything that can be checked without the GPU is checked first, so that bad input is named
+// before minutes of initialisation (and on machines without a GPU).
 // args: the trainer's arguments (args[0] the program), for the log and the self-check's processes
 int run_training(const Hyperparameters& h, const std::vector<std::string>& args) {
   programmatic_dependent_launch = h.launch_overlap == "pdl";  // before any launch, the self-check's too

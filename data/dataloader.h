@@ -317,7 +317,8 @@ class PrefetchLoader {
       auto* buffer = static_cast<uint16_t*>(allocate(bytes));
       if (!buffer) {
         free_buffers();
-        throw DataError("cannot allocate " + std::to_string(bytes) + " bytes of host buffer");
+        // not the data's fault: a plain runtime_error (the trainer's exit 1), not a DataError (3)
+        throw std::runtime_error("cannot allocate " + std::to_string(bytes) + " bytes of host buffer for the batches");
       }
       buffers_.push_back(buffer);
       batches_.push_back({0, num_micro, plan_.micro_len(), buffer});

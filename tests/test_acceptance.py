@@ -139,14 +139,35 @@ STAND_INS = {
     # run.sh: the trainer's self-check (FAKE_SELF_CHECK: pass, fail or unknown, a trainer without it)
     # or an oracle run, which writes the final checkpoint of every rank: the tiny parameters, lm_head
     # scaled by 1 + 1e-4 (rank + 1); FAKE_BROKEN "<mode>:<W>" scales it by 2 in that run, and
-    # FAKE_RUN_FAILS "<mode>:<W>" makes that run fail.
+    # FAKE_RUN_FAILS "<mode>:<W>" makes that run fail. A rank a launcher started (RANK set) compares
+    # its flags with its peer's, as the trainer does, unless FAKE_FLAGS_VOTE is "none" (it trains
+    # on) or "hang".
     "run.sh": """\
-        import json, os, sys
+        import json, os, sys, time
         sys.path.insert(0, os.environ["FAKE_TESTS"])
         import checkpoint_files as cf
         args = sys.argv[1:]
         def flag(name):
             return args[args.index(name) + 1]
+        if "RANK" in os.environ:
+            rank, port = int(os.environ["RANK"]), os.environ["MASTER_PORT"]
+            with open(os.environ["FAKE_CALLS"] + ".ranks", "a") as calls:
+                calls.write(json.dumps({"RANK": rank, "WORLD_SIZE": os.environ["WORLD_SIZE"], "args": args}) + "\\n")
+            vote = os.environ.get("FAKE_FLAGS_VOTE", "")
+            if vote == "hang":
+                time.sleep(60)
+            if vote == "none":
+                sys.exit(0)
+            mine, peer = (f"{os.environ['FAKE_CALLS']}.flags.{port}.{r}" for r in (rank, 1 - rank))
+            with open(mine, "w") as out:
+                out.write(" ".join(args))
+            while not os.path.exists(peer):
+                time.sleep(0.05)
+            time.sleep(0.1)  # its whole line
+            if open(peer).read() != " ".join(args):
+                print(f"error: the ranks were started with different flags (rank {rank}'s: ...)")
+                sys.exit(1)
+            sys.exit(0)
         W = int(os.environ["NPROC"])
         with open(os.environ["FAKE_CALLS"], "a") as calls:
             calls.write(json.dumps({"NPROC": W, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -606,6 +627,22 @@ class AcceptanceTest(unittest.TestCase):
         self.assertRegex(rows[4][2], r"^1\.000e\+00 \(lm_head\.weight, rank0\)$")
         diloco = re.findall(r"^\| (\d) \| (\d) \| (\d+) \| (ok|FAILED[^|]*) \| \d+ s \|$", report, re.M)
         self.assertEqual(diloco, [("2", "1", "4", "ok"), ("4", "2", "4", "ok")])
+        ranks = [json.loads(line) for line in self.read(self.calls + ".ranks").splitlines()]
+        self.assertEqual(sorted((r["RANK"], r["WORLD_SIZE"], r["args"][r["args"].index("--diloco-groups") + 1],
+                                 "--ranks-share-gpu" in r["args"]) for r in ranks),
+                         [(0, "2", "2", False), (1, "2", "1", False)])
+        self.assertRegex(report, r"Verdict: ok \(exits 1 1, \d+ s\)\.")
+
+    def test_ranks_with_different_flags_that_train_on_or_hang_fail_the_nccl_phase(self):
+        status, report, output = self.acceptance("nccl", gpus=1, FAKE_FLAGS_VOTE="none")
+        self.assertEqual(status, 1, output)
+        self.assertIn("Verdict: FAILED (rank 0 exit 0: no error line) (exits 0 0", report)
+        status, report, output = self.acceptance("nccl", gpus=1, FAKE_FLAGS_VOTE="hang",
+                                                 ACCEPTANCE_DISAGREEING_FLAGS_TIMEOUT="1")
+        self.assertEqual(status, 1, output)
+        self.assertIn("Verdict: FAILED (rank 0 still running after 1 s: hung) (exits 124 124", report)
+        ranks = [json.loads(line) for line in self.read(self.calls + ".ranks").splitlines()]
+        self.assertTrue(all("--ranks-share-gpu" in r["args"] for r in ranks))
 
     def test_with_one_gpu_the_nccl_ranks_share_it(self):
         status, report, output = self.acceptance("nccl", gpus=1)

@@ -237,6 +237,17 @@ TEST_CASE("prefetch loader: the caller's allocator, and ranks with no micro-sequ
     CHECK(idle.next().step == 1);
   }
   CHECK(allocations == 3 && live == 0);
+  // a failed allocation (pinned memory, say) is the machine's failure, not bad data
+  int granted = 1;
+  HostAlloc failing_alloc = [&](size_t n) { return granted-- > 0 ? std::malloc(n) : nullptr; };
+  bool machine_error = false;
+  try {
+    PrefetchLoader(BatchPlan(temp_dir() + "/alloc_*.bin", 8, 4, kTokenizerVocab), 0, 1, 2, failing_alloc, HostFree());
+  } catch (const DataError&) {
+  } catch (const std::runtime_error& e) {
+    machine_error = std::string(e.what()).find("bytes of host buffer for the batches") != std::string::npos;
+  }
+  CHECK(machine_error);
 }
 
 TEST_CASE("prefetch loader: a bad shard reached mid-run surfaces from next() after the good steps") {

@@ -59,9 +59,9 @@ TEST_CASE("defaults are the 8xH100 record (SPEC 1.8)") {
 }
 
 TEST_CASE("flags set their fields, as --flag value and --flag=value") {
-  Hyperparameters h = parsed({"--num-iterations", "860", "--micro-batches=1", "--seed", "18446744073709551615",
+  Hyperparameters h = parsed({"--num-iterations", "860", "--micro-batches=1", "--seed", "4503599627370495",
                               "--adam-eps=1e-8", "--resume", "--train-files", "a/*.bin", "--val-every=0"});
-  CHECK(h.num_iterations == 860 && h.micro_batches == 1 && h.seed == UINT64_MAX);
+  CHECK(h.num_iterations == 860 && h.micro_batches == 1 && h.seed == (uint64_t(1) << 52) - 1);
   CHECK(h.adam_eps == 1e-8 && h.resume && h.train_files == "a/*.bin" && h.val_every == 0);
   Schedule s = schedule_of(h);
   CHECK(s.num_iterations == 860 && s.window_blocks(860) == 14 && s.lr_factor(860) == 0.1);
@@ -76,6 +76,7 @@ TEST_CASE("bad flags are errors that name the flag") {
   CHECK_THROWS_WITH(parse_only({"--adam-lr", "fast"}), "--adam-lr: 'fast' is not a valid number");
   CHECK_THROWS_WITH(parse_only({"--adam-beta1=1.5"}), "--adam-beta1 = 1.5: must be in (0, 1)");
   CHECK_THROWS_WITH(parse_only({"--seed", "-1"}), "--seed: '-1' is not a valid non-negative integer");
+  CHECK_THROWS_WITH(parse_only({"--seed", "4503599627370496"}), "--seed = 4503599627370496: must be below 2^52");
   CHECK_THROWS_WITH(parse_only({"--resume=yes"}), "--resume takes no value");
   CHECK_THROWS_WITH(parse_only({"--resume", "yes"}), "unexpected argument 'yes': --resume takes no value (give it alone)");
   CHECK_THROWS_WITH(parse_only({"--resume", "--seed", "1", "yes"}), "unexpected argument 'yes' (flags start with --)");
@@ -376,6 +377,25 @@ TEST_CASE("checkpoints round-trip, replace atomically and name the newest") {
   CHECK(back.blob("adam", "x") == std::vector<uint8_t>(1000, 7));
   CHECK_THROWS_WITH(back.blob("muon", "some.ckpt"), "some.ckpt: no 'muon' in the checkpoint");
   CHECK(!std::filesystem::exists(checkpoint_path(dir, 250) + ".tmp"));
+}
+
+TEST_CASE("a checkpoint that cannot be written is a CheckpointError naming the file, with no temporary file left") {
+  std::string dir = temp_dir("unwritable_checkpoints");
+  Checkpoint c;
+  c.step = 7;
+  c.blobs = {{"params", {1, 2, 3}}};
+  const std::string path = checkpoint_path(dir, 7);
+  std::filesystem::create_directories(path + "/in-the-way");  // the name is a folder that is not empty
+  bool a_checkpoint_error = false;
+  try {
+    write_checkpoint(dir, c);
+  } catch (const CheckpointError& e) {
+    a_checkpoint_error = std::string(e.what()).find(path + ": cannot rename ") == 0;
+  }
+  CHECK(a_checkpoint_error);
+  CHECK(!std::filesystem::exists(path + ".tmp"));
+  std::ofstream(dir + "/a-file") << "not a folder";
+  CHECK_THROWS_WITH(write_checkpoint(dir + "/a-file/checkpoints", c), "a-file/checkpoints: cannot create the checkpoint folder");
 }
 
 TEST_CASE("damaged checkpoints are errors that name the file") {

@@ -46,7 +46,9 @@
 #               W = 2, 4 and all GPUs in every --grad-comm mode against W = 1
 #               on the same data, compared parameter by parameter (tools/compare_checkpoints.py);
 #               then Streaming DiLoCo in 2 groups at W = 2 (and 4): its communicator splits and
-#               exchanges over NCCL, the trainer checking that all ranks agree after the final sync
+#               exchanges over NCCL, the trainer checking that all ranks agree after the final sync;
+#               last, 2 ranks started with different flags must both stop, saying so
+#               (ACCEPTANCE_DISAGREEING_FLAGS_TIMEOUT, 150 s, ends a hang)
 # No argument runs them all, in this order; arguments run the phases named, in the order given.
 # One report: logs/acceptance-<host>-<date>.md (ACCEPTANCE_REPORT names another); each call adds
 # its machine's environment, then each phase its section; a phase's whole output goes to
@@ -120,6 +122,9 @@ oracle_steps=4
 oracle_flags=(--train-files "data/sample/sample_train_*.bin" --val-files "data/sample/sample_val_*.bin"
   --seq-len 4096 --micro-batches 8 --num-iterations "$oracle_steps" --seed 1234 --warmup-steps 0
   --val-every 0 --val-tokens 32768 --val-seq-len 4096 --stall-timeout 120)
+# How long two ranks started with different flags may take to stop (they are told at once; the
+# guard ends a hang, after the oracle's --stall-timeout has had its say).
+disagreeing_flags_timeout=${ACCEPTANCE_DISAGREEING_FLAGS_TIMEOUT:-150}
 # Bounds on the worst relative error of a parameter, those of the GPU oracle (tests/gpu/test_distributed.cu).
 fp32_bound=0.1 bf16_bound=0.5
 
@@ -457,7 +462,38 @@ phase_nccl() {
     done
   done
   phase_nccl_diloco || failed=1
+  phase_nccl_disagreeing_flags || failed=1
   return "$failed"
+}
+
+# Ranks started with different flags must stop at once and say so, before any collective whose
+# calls depend on a flag: rank 0 with 2 DiLoCo groups (whose communicator split is such a
+# collective), rank 1 with one. Each rank is its own run.sh, started as a launcher would start it.
+phase_nccl_disagreeing_flags() {
+  local out=$work/disagreeing_flags.txt port=$((20000 + RANDOM % 20000)) start=$SECONDS rank pids=() statuses=()
+  local groups=(2 1) verdict=ok
+  say "" "Ranks started with different flags (rank 0 \`--diloco-groups 2\`, rank 1 one group): both must stop" \
+    "with \"the ranks were started with different flags\" within $disagreeing_flags_timeout s." ""
+  for rank in 0 1; do
+    WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$rank LOCAL_RANK=$rank \
+      timeout -k 10 "$disagreeing_flags_timeout" ./run.sh "${oracle_flags[@]}" "${share_flags[@]}" \
+      --diloco-groups "${groups[rank]}" --log-dir "$work/logs" >"$out.$rank" 2>&1 &
+    pids+=($!)
+  done
+  for rank in 0 1; do
+    wait "${pids[rank]}"
+    statuses+=($?)
+    cat "$out.$rank" >>"$log"
+  done
+  for rank in 1 0; do  # rank 0's reason last, so that it is the one said
+    if ((statuses[rank] == 124 || statuses[rank] == 137)); then
+      verdict="FAILED (rank $rank still running after $disagreeing_flags_timeout s: hung)"
+    elif ((statuses[rank] == 0)) || ! grep -q "the ranks were started with different flags" "$out.$rank"; then
+      verdict="FAILED (rank $rank exit ${statuses[rank]}: $(grep -m1 '^error' "$out.$rank" || echo 'no error line'))"
+    fi
+  done
+  say "Verdict: $verdict (exits ${statuses[*]}, $((SECONDS - start)) s)."
+  [[ $verdict == ok ]]
 }
 
 # Streaming DiLoCo over NCCL ranks, 2 groups: each fragment's exchange starts a step before it is
