@@ -1,5 +1,5 @@
 """Trainer checkpoints written from Python, for the tests of tools/compare_checkpoints.py and
-tools/acceptance.sh: the format and hash of train_gpt.cu's write_checkpoint, byte for byte.
+tools/acceptance.sh: the format and hash of write_checkpoint (kernels/host/checkpoint_file.h), byte for byte.
 
 TINY_CHECKPOINT (tests/data/checkpoint/tiny.ckpt) is the file both sides are held to: test_trainer_host
 reads it (so the hashes agree) and writes it back identically, test_compare_checkpoints writes it
@@ -16,7 +16,7 @@ TINY_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data
 
 
 def checkpoint_hash(data):
-    """train_gpt.cu's checkpoint_hash: 8 bytes at a time, then the zero-padded tail."""
+    """checkpoint_hash (kernels/host/checkpoint_file.h): 8 bytes at a time, then the zero-padded tail."""
     h = 0x243F6A8885A308D3 ^ len(data)
 
     def mix(word):

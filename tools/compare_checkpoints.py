@@ -8,7 +8,7 @@ relative_error), 0 where the two are equal (both zero included), infinite where 
 value that is not finite or the reference is zero and the candidate is not; its worst over the candidates, and
 the worst of all against --bound.
 
-The checkpoint format (train_gpt.cu, write_checkpoint): the magic SPDRCKP2, the step (u64), the
+The checkpoint format (kernels/host/checkpoint_file.h, write_checkpoint): the magic SPDRCKP2, the step (u64), the
 number of blobs (u64), then per blob its name's length (u64), the name, its size in bytes (u64), the
 bytes, and a hash (u64), all little-endian. The parameters are in the blobs "embeddings" and
 "masters"; the blob "parameter layout" says where, one "<name> <blob> <dtype> <offset> <count>"
