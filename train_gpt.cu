@@ -1846,7 +1846,8 @@ inline void check_same_flags(const Hyperparameters& h, DeviceCommunicator& comm)
 // DiLoCo's communicators, split from the world once every rank's flags are known to agree: the
 // split is the first collective whose calls depend on a flag (--diloco-groups), so ranks started
 // with different ones would hang in it rather than be told. Every rank reaches the same verdict, so
-// all of them unwind together.
+// all of them unwind together. (Before any collective only --ranks-share-gpu acts, on NCCL's
+// set-up: ranks that differ in it can fail in NCCL's init, before this vote.)
 inline ReplicaGroups replica_groups_of_agreed_flags(const Hyperparameters& h, DeviceCommunicator& world) {
   check_same_flags(h, world);
   return ReplicaGroups(world, h.diloco_groups);
@@ -2624,7 +2625,7 @@ class TrainingRun {
   TrainingRun(const Hyperparameters& h, const ProcessGroupEnv& g, const std::string& settings,
               const std::vector<std::string>& args)
       : h_(h), schedule_(schedule_of(h)), watchdog_(start_watchdog(h, g.rank)), comm_(connect_ranks(g, h.nccl_single_rank)),
-        groups_(replica_groups_of_agreed_flags(h, *comm_)), model_(config_, memory_),
+        groups_((beat("comparing the ranks' flags"), replica_groups_of_agreed_flags(h, *comm_))), model_(config_, memory_),
         optimizers_(h, model_.params, group(), memory_),
         train_(config_, h.seq_len, /*backward=*/true, memory_, /*fp8_head=*/!h.bf16_head, /*mlp_pre_activations=*/false),
         eval_(config_, h.val_seq_len, false, memory_, false, /*mlp_pre_activations=*/false),

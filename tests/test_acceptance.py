@@ -139,9 +139,10 @@ STAND_INS = {
     # run.sh: the trainer's self-check (FAKE_SELF_CHECK: pass, fail or unknown, a trainer without it)
     # or an oracle run, which writes the final checkpoint of every rank: the tiny parameters, lm_head
     # scaled by 1 + 1e-4 (rank + 1); FAKE_BROKEN "<mode>:<W>" scales it by 2 in that run, and
-    # FAKE_RUN_FAILS "<mode>:<W>" makes that run fail. A rank a launcher started (RANK set) compares
-    # its flags with its peer's, as the trainer does, unless FAKE_FLAGS_VOTE is "none" (it trains
-    # on) or "hang".
+    # FAKE_RUN_FAILS "<mode>:<W>" makes that run fail. A rank a launcher started (RANK set, with the
+    # launcher's other variables, else it exits 2) compares its flags with its peer's, as the trainer
+    # does, unless FAKE_FLAGS_VOTE is "none" (every rank trains on), "none:<rank>" (that one does) or
+    # "hang".
     "run.sh": """\
         import json, os, sys, time
         sys.path.insert(0, os.environ["FAKE_TESTS"])
@@ -153,14 +154,18 @@ STAND_INS = {
             rank, port = int(os.environ["RANK"]), os.environ["MASTER_PORT"]
             with open(os.environ["FAKE_CALLS"] + ".ranks", "a") as calls:
                 calls.write(json.dumps({"RANK": rank, "WORLD_SIZE": os.environ["WORLD_SIZE"], "args": args}) + "\\n")
+            launcher = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+            if [os.environ.get(name) for name in launcher] != ["2", "2", str(rank), "127.0.0.1"]:
+                print("error: a launcher's environment without " + ", ".join(launcher))
+                sys.exit(2)
             vote = os.environ.get("FAKE_FLAGS_VOTE", "")
             if vote == "hang":
                 time.sleep(60)
-            if vote == "none":
-                sys.exit(0)
             mine, peer = (f"{os.environ['FAKE_CALLS']}.flags.{port}.{r}" for r in (rank, 1 - rank))
             with open(mine, "w") as out:
                 out.write(" ".join(args))
+            if vote in ("none", f"none:{rank}"):
+                sys.exit(0)
             while not os.path.exists(peer):
                 time.sleep(0.05)
             time.sleep(0.1)  # its whole line
@@ -629,14 +634,17 @@ class AcceptanceTest(unittest.TestCase):
         self.assertEqual(diloco, [("2", "1", "4", "ok"), ("4", "2", "4", "ok")])
         ranks = [json.loads(line) for line in self.read(self.calls + ".ranks").splitlines()]
         self.assertEqual(sorted((r["RANK"], r["WORLD_SIZE"], r["args"][r["args"].index("--diloco-groups") + 1],
-                                 "--ranks-share-gpu" in r["args"]) for r in ranks),
-                         [(0, "2", "2", False), (1, "2", "1", False)])
+                                 "--ranks-share-gpu" in r["args"], "--checkpoint-dir" in r["args"]) for r in ranks),
+                         [(0, "2", "2", False, True), (1, "2", "1", False, True)])
         self.assertRegex(report, r"Verdict: ok \(exits 1 1, \d+ s\)\.")
 
     def test_ranks_with_different_flags_that_train_on_or_hang_fail_the_nccl_phase(self):
         status, report, output = self.acceptance("nccl", gpus=1, FAKE_FLAGS_VOTE="none")
         self.assertEqual(status, 1, output)
         self.assertIn("Verdict: FAILED (rank 0 exit 0: no error line) (exits 0 0", report)
+        status, report, output = self.acceptance("nccl", gpus=1, FAKE_FLAGS_VOTE="none:1")
+        self.assertEqual(status, 1, output)
+        self.assertIn("Verdict: FAILED (rank 1 exit 0: no error line) (exits 1 0", report)
         status, report, output = self.acceptance("nccl", gpus=1, FAKE_FLAGS_VOTE="hang",
                                                  ACCEPTANCE_DISAGREEING_FLAGS_TIMEOUT="1")
         self.assertEqual(status, 1, output)

@@ -477,7 +477,8 @@ phase_nccl_disagreeing_flags() {
   for rank in 0 1; do
     WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$rank LOCAL_RANK=$rank \
       timeout -k 10 "$disagreeing_flags_timeout" ./run.sh "${oracle_flags[@]}" "${share_flags[@]}" \
-      --diloco-groups "${groups[rank]}" --log-dir "$work/logs" >"$out.$rank" 2>&1 &
+      --diloco-groups "${groups[rank]}" --log-dir "$work/logs" --checkpoint-dir "$work/disagreeing_flags" \
+      >"$out.$rank" 2>&1 &
     pids+=($!)
   done
   for rank in 0 1; do
@@ -493,6 +494,7 @@ phase_nccl_disagreeing_flags() {
     fi
   done
   say "Verdict: $verdict (exits ${statuses[*]}, $((SECONDS - start)) s)."
+  rm -rf "$work/disagreeing_flags"
   [[ $verdict == ok ]]
 }
 

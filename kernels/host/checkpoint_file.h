@@ -84,7 +84,7 @@ inline void write_checkpoint(const std::string& dir, const Checkpoint& c) {
     std::unique_ptr<FILE, int (*)(FILE*)> out(std::fopen(temp.c_str(), "wb"), &std::fclose);
     if (!out) throw CheckpointError(temp + ": cannot create: " + std::strerror(errno));
     bool ok = true;
-    auto put = [&](const void* p, size_t n) { ok = ok && std::fwrite(p, 1, n, out.get()) == n; };
+    auto put = [&](const void* p, size_t n) { ok = ok && (n == 0 || std::fwrite(p, 1, n, out.get()) == n); };
     auto put_u64 = [&](uint64_t v) { put(&v, sizeof v); };
     put(kCheckpointMagic, sizeof kCheckpointMagic);
     put_u64(uint64_t(c.step));
@@ -99,14 +99,16 @@ inline void write_checkpoint(const std::string& dir, const Checkpoint& c) {
     if (!ok || std::fflush(out.get()) != 0 || ::fsync(::fileno(out.get())) != 0) {
       const std::string reason = std::strerror(errno);
       out.reset();
-      std::filesystem::remove(temp);
+      std::error_code ignored;  // the write's failure is the one to report
+      std::filesystem::remove(temp, ignored);
       throw CheckpointError(temp + ": write failed: " + reason);
     }
   }
   std::filesystem::rename(temp, path, error);
   if (error) {
-    std::filesystem::remove(temp, error);
-    throw CheckpointError(path + ": cannot rename " + temp + " to it: " + error.message());
+    const std::string reason = error.message();
+    std::filesystem::remove(temp, error);  // (clears `error` when it succeeds)
+    throw CheckpointError(path + ": cannot rename " + temp + " to it: " + reason);
   }
   // The rename itself reaches the disk; best effort (some file systems cannot sync a folder).
   const int folder = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
