@@ -962,11 +962,12 @@ struct Activations {
   float* losses;               // [T]
   double* loss_total;          // [1] token losses summed since the last take_loss_total
   StagedUploads uploads;       // the device copies of each micro-sequence's masks and row order
-  // backward scratch
-  bf16 *dx, *dx0, *dh, *dy, *dq, *dk, *dv, *dqkv, *du;  // dqkv [T, 3d], du [T, F]
-  std::vector<bf16*> dskip;    // [num_skips]: gradient waiting for the skip's source layer
-  float* attention_scratch;    // attention_backward_scratch_floats(T, H): delta, dq's partial sums
-  float* embedding_scratch;    // [EmbeddingBackwardPlan::scratch_rows(T), d]: split tokens' segment sums
+  // backward scratch (null in evaluation activations)
+  bf16 *dx = nullptr, *dx0 = nullptr, *dh = nullptr, *dy = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  bf16 *dqkv = nullptr, *du = nullptr;    // dqkv [T, 3d], du [T, F]
+  std::vector<bf16*> dskip;               // [num_skips]: gradient waiting for the skip's source layer
+  float* attention_scratch = nullptr;     // attention_backward_scratch_floats(T, H): delta, dq's partial sums
+  float* embedding_scratch = nullptr;     // [EmbeddingBackwardPlan::scratch_rows(T), d]: split tokens' segment sums
   float* reduction_scratch;    // per-block partial sums of the scalar gradients
   float* cos_sin;              // [T, 64, 2] rope table
   std::unique_ptr<Fp8Head> fp8_head;  // the FP8 operands of one head chunk and of lm_head (or null)
