@@ -119,9 +119,12 @@ fi
 # have moved), one seed on every rank, no warmup, validation kept small; the final checkpoint holds
 # every parameter on every rank. A hung collective ends a run after 120 s.
 oracle_steps=4
-oracle_flags=(--train-files "data/sample/sample_train_*.bin" --val-files "data/sample/sample_val_*.bin"
-  --seq-len 4096 --micro-batches 8 --num-iterations "$oracle_steps" --seed 1234 --warmup-steps 0
-  --val-every 0 --val-tokens 32768 --val-seq-len 4096 --stall-timeout 120)
+# The bundled sample in 4,096-token sequences (32 blocks, windows to 14), no warmup, no validation:
+# the oracle's runs and the sanitizer's trainer runs.
+sample_run_flags=(--seq-len 4096 --train-files "data/sample/sample_train_*.bin"
+  --val-files "data/sample/sample_val_*.bin" --warmup-steps 0 --val-every 0 --val-tokens 32768 --val-seq-len 4096)
+oracle_flags=("${sample_run_flags[@]}" --micro-batches 8 --num-iterations "$oracle_steps" --seed 1234
+  --stall-timeout 120)
 # How long two ranks started with different flags may take to stop (they are told at once; the
 # guard ends a hang, after the oracle's --stall-timeout has had its say).
 disagreeing_flags_timeout=${ACCEPTANCE_DISAGREEING_FLAGS_TIMEOUT:-150}
@@ -262,9 +265,7 @@ default_sanitize_runs=(memcheck:test_attention memcheck:test_kernels synccheck:t
   racecheck:test_attention racecheck:test_kernels memcheck:train_gpt memcheck:train_gpt:opt-in
   memcheck:gpu_device:setmaxnreg synccheck:gpu_device:setmaxnreg memcheck:test_residual memcheck:test_fp8_head
   memcheck:test_muon)
-sanitized_trainer_flags=(--train-files "data/sample/sample_train_*.bin" --val-files "data/sample/sample_val_*.bin"
-  --num-iterations 2 --micro-batches 1 --seq-len 4096 --warmup-steps 0 --val-every 0 --val-tokens 32768
-  --val-seq-len 4096 --self-check off)  # the oracle's sequences (4,096 tokens: 32 blocks, windows to 14)
+sanitized_trainer_flags=(--num-iterations 2 --micro-batches 1 "${sample_run_flags[@]}" --self-check off)
 opt_in_paths=(--attention flash-ws --mlp-fc fused --qkv fused --qkv-backward fused --launch-overlap pdl)
 
 # sanitizer_finding <log>: the first error compute-sanitizer reported (a line of its own, the details
@@ -470,7 +471,7 @@ phase_nccl() {
 # calls depend on a flag: rank 0 with 2 DiLoCo groups (whose communicator split is such a
 # collective), rank 1 with one. Each rank is its own run.sh, started as a launcher would start it.
 phase_nccl_disagreeing_flags() {
-  local out=$work/disagreeing_flags.txt port=$((20000 + RANDOM % 20000)) start=$SECONDS rank pids=() statuses=()
+  local out=$work/disagreeing_flags_rank port=$((20000 + RANDOM % 20000)) start=$SECONDS rank pids=() statuses=()
   local groups=(2 1) verdict=ok
   say "" "Ranks started with different flags (rank 0 \`--diloco-groups 2\`, rank 1 one group): both must stop" \
     "with \"the ranks were started with different flags\" within $disagreeing_flags_timeout s." ""
@@ -478,19 +479,19 @@ phase_nccl_disagreeing_flags() {
     WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$rank LOCAL_RANK=$rank \
       timeout -k 10 "$disagreeing_flags_timeout" ./run.sh "${oracle_flags[@]}" "${share_flags[@]}" \
       --diloco-groups "${groups[rank]}" --log-dir "$work/logs" --checkpoint-dir "$work/disagreeing_flags" \
-      >"$out.$rank" 2>&1 &
+      >"$out$rank.txt" 2>&1 &
     pids+=($!)
   done
   for rank in 0 1; do
     wait "${pids[rank]}"
     statuses+=($?)
-    cat "$out.$rank" >>"$log"
+    cat "$out$rank.txt" >>"$log"
   done
   for rank in 1 0; do  # rank 0's reason last, so that it is the one said
     if ((statuses[rank] == 124 || statuses[rank] == 137)); then
       verdict="FAILED (rank $rank still running after $disagreeing_flags_timeout s: hung)"
-    elif ((statuses[rank] == 0)) || ! grep -q "the ranks were started with different flags" "$out.$rank"; then
-      verdict="FAILED (rank $rank exit ${statuses[rank]}: $(grep -m1 '^error' "$out.$rank" || echo 'no error line'))"
+    elif ((statuses[rank] == 0)) || ! grep -q "the ranks were started with different flags" "$out$rank.txt"; then
+      verdict="FAILED (rank $rank exit ${statuses[rank]}: $(grep -m1 '^error' "$out$rank.txt" || echo 'no error line'))"
     fi
   done
   say "Verdict: $verdict (exits ${statuses[*]}, $((SECONDS - start)) s)."
