@@ -142,7 +142,13 @@ TEST_CASE("rekls step: KL factors, syevd eigenbases, Adam in the rotated basis; 
   check_rekls(16, 56, 1, 1, 3);  // wide: R has one
   check_rekls(32, 32, 7, 2, 4);  // eigenbasis every second step: refreshes at 1, 3, 5, 7
   check_rekls(32, 32, 7, 3, 7);  // every third: at 1, 4, 7, two steps on the kept bases between
-  if (at_record_shapes("rekls at 768 x 768")) check_rekls(768, 768, 2, 1, 5);
+  // A GPU's case only. There the change is off by 2.2e-4 after 2 steps (cuSOLVER's fp32 syevd; by
+  // 1.7e-3 after its first step alone); the full emulation's stand-in (fp32 Householder and QL) is
+  // off by 1.7e-3 after 2 steps, over the bound: at this size it is not the library (docs/REKLS.md).
+  if (kEmulated && !testing_a_subset())
+    std::printf("  rekls at 768 x 768: a GPU's case (the emulator's syevd stand-in is not the library's at that size)\n");
+  else if (at_record_shapes("rekls at 768 x 768"))
+    check_rekls(768, 768, 2, 1, 5);
 }
 
 TEST_CASE("rekls: several matrices in one update, each as the reference (the scratch shared between them)") {
