@@ -453,12 +453,14 @@ class AcceptanceTest(unittest.TestCase):
 
     def test_a_hung_sanitizer_run_ends_at_its_timeout_and_the_budget_stops_the_rest(self):
         self.built_kernel_tests()
+        # The budget counts bash's whole seconds (SECONDS): 3 s is spent only by the hung run's 5 s,
+        # never by the phase's start (a budget of 1 s was, where that start crossed a second boundary).
         status, report, _ = self.acceptance("sanitize", gpus=1, FAKE_SANITIZER="hang:test_kernels",
-                                            ACCEPTANCE_SANITIZE_TIMEOUT="1", ACCEPTANCE_SANITIZE_BUDGET="1",
+                                            ACCEPTANCE_SANITIZE_TIMEOUT="5", ACCEPTANCE_SANITIZE_BUDGET="3",
                                             SANITIZE_RUNS="memcheck:test_kernels memcheck:test_attention")
         self.assertEqual(status, 1)
-        self.assertIn("| test_kernels | memcheck | FAILED: still running after ACCEPTANCE_SANITIZE_TIMEOUT=1 s |  |", report)
-        self.assertIn("| test_attention | memcheck | not run: the phase spent its ACCEPTANCE_SANITIZE_BUDGET=1 s | |",
+        self.assertIn("| test_kernels | memcheck | FAILED: still running after ACCEPTANCE_SANITIZE_TIMEOUT=5 s |  |", report)
+        self.assertIn("| test_attention | memcheck | not run: the phase spent its ACCEPTANCE_SANITIZE_BUDGET=3 s | |",
                       report)
 
     def test_without_a_usable_sanitizer_the_phase_says_why(self):
