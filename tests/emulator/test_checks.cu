@@ -6,7 +6,8 @@
 // - static __shared__ variables hold poison as each block starts, and together with the dynamic
 //   shared memory they must fit the GPU's limits;
 // - cuBLASLt answers "not supported" to an FP8 product whose scale pointer is off a 16-byte
-//   boundary, as cuBLASLt 13.1 did on an H200 (its heuristic had offered an algorithm);
+//   boundary, as cuBLASLt 13.1 did on an H200 (its heuristic had offered an algorithm); its
+//   stand-in's fp32 sums are the same, bitwise, whichever of its tiles an element falls in;
 // - the warp-specialised kernels' mbarriers, TMA copies, named barriers and setmaxnreg: a ring of
 //   TMA-fed stages shared by a producer and two consumer warpgroups in turns copies exactly and
 //   alternates; a missed release, a wait on the wrong phase parity, a consumer that never waits, a
@@ -51,7 +52,9 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstring>
 #include <functional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -691,6 +694,71 @@ TEST_CASE("an FP8 product with a scale pointer 4 or 8 bytes off a 16-byte bounda
   cublasLtDestroy(handle);
   cudaFree(operands);
   cudaFree(out);
+}
+
+TEST_CASE("the cuBLASLt stand-in's sums do not depend on the tile an element falls in: each bitwise its own product's") {
+  // D[m, n] = A^T B in fp32, A stored [k, m] and B [k, n] column-major ("TN"): m = 11 and n = 5 leave
+  // rows and a column outside the stand-in's 4 x 2 tiles, k = 36 a tail outside its 8-wide sums. Each
+  // element of D against the 1 x 1 product of its row and column alone (which no tile holds).
+  const int m = 11, n = 5, k = 36, ldd = 12;  // every leading dimension a multiple of 16 bytes
+  std::vector<float> host((m + n) * k);
+  std::mt19937 draws(7);
+  std::normal_distribution<float> normal;
+  for (float& x : host) x = normal(draws);
+  float *operands = nullptr, *out = nullptr, *alone = nullptr;
+  CUDA_CHECK(cudaMalloc(&operands, host.size() * sizeof(float)));
+  CUDA_CHECK(cudaMemcpy(operands, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMalloc(&out, ldd * n * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&alone, 4 * sizeof(float)));
+  cublasLtHandle_t handle;
+  CUBLAS_CHECK(cublasLtCreate(&handle));
+  auto product = [&](const float* a_columns, const float* b_columns, float* d, int rows, int cols, int ld) {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, c;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t t = CUBLAS_OP_T, none = CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof none));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_32F, k, rows, k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_32F, k, cols, k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, rows, cols, ld));
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint32_t sixteen = 16;
+    for (auto attribute : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                           CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &sixteen, sizeof sixteen));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, c, pref, 1, &result, &found));
+    CHECK(found == 1);
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul(handle, desc, &alpha, a_columns, a, b_columns, b, &beta, d, c, d, c, &result.algo,
+                                nullptr, 0, nullptr));
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(a);
+    cublasLtMatrixLayoutDestroy(b);
+    cublasLtMatrixLayoutDestroy(c);
+    cublasLtMatmulDescDestroy(desc);
+  };
+  const float *a_columns = operands, *b_columns = operands + m * k;
+  product(a_columns, b_columns, out, m, n, ldd);
+  std::vector<float> whole(ldd * n);
+  CUDA_CHECK(cudaMemcpy(whole.data(), out, whole.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  int differ = 0;
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      product(a_columns + i * k, b_columns + j * k, alone, 1, 1, 4);
+      float element = 0;
+      CUDA_CHECK(cudaMemcpy(&element, alone, sizeof element, cudaMemcpyDeviceToHost));
+      differ += std::memcmp(&element, &whole[i + j * ldd], sizeof element) != 0;
+    }
+  std::printf("  %d of %d elements differ from their own product's\n", differ, m * n);
+  CHECK(differ == 0);
+  cublasLtDestroy(handle);
+  cudaFree(operands);
+  cudaFree(out);
+  cudaFree(alone);
 }
 
 TEST_CASE("REKLS stops naming the factor when syevd cannot decompose it (a NaN gradient)") {
