@@ -291,6 +291,49 @@ struct Buffers {
   float* out = nullptr;
 };
 
+// D [rows, cols] = A^T B through cuBLASLt's "TN" (A stored [k, rows] and B [k, cols] column-major, of
+// `operands`' type; D fp32 with leading dimension ld), with the given FP8 scale pointers and
+// alignment promise: the product's status (the heuristic must offer an algorithm).
+struct TnProduct {
+  cudaDataType_t operands;
+  int k, rows, cols, ld;
+  const float *a_scale = nullptr, *b_scale = nullptr;
+  uint32_t alignment = 256;  // of every operand, in bytes
+};
+cublasStatus_t tn_product(cublasLtHandle_t handle, const TnProduct& p, const void* A, const void* B, float* D) {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, c;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t t = CUBLAS_OP_T, none = CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof none));
+  if (p.a_scale)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.a_scale, sizeof p.a_scale));
+  if (p.b_scale)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.b_scale, sizeof p.b_scale));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, p.operands, p.k, p.rows, p.k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, p.operands, p.k, p.cols, p.k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, p.rows, p.cols, p.ld));
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  for (auto attribute : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &p.alignment, sizeof p.alignment));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, c, pref, 1, &result, &found));
+  CHECK(found == 1);
+  const float alpha = 1.0f, beta = 0.0f;
+  const cublasStatus_t status =
+      cublasLtMatmul(handle, desc, &alpha, A, a, B, b, &beta, D, c, D, c, &result.algo, nullptr, 0, nullptr);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(a);
+  cublasLtMatrixLayoutDestroy(b);
+  cublasLtMatrixLayoutDestroy(c);
+  cublasLtMatmulDescDestroy(desc);
+  return status;
+}
+
 }  // namespace
 
 TEST_CASE("load8 of bf16 (one 16-byte load) 8 bytes off a 16-byte boundary stops: misaligned address") {
@@ -654,32 +697,9 @@ TEST_CASE("an FP8 product with a scale pointer 4 or 8 bytes off a 16-byte bounda
   cublasLtHandle_t handle;
   CUBLAS_CHECK(cublasLtCreate(&handle));
   auto product = [&](size_t scale_offset) {
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t a, c;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t t = CUBLAS_OP_T, none = CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof none));
-    const float *a_scale = b.at<float>(0), *b_scale = b.at<float>(scale_offset);
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof a_scale));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof b_scale));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, n, n, n));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, n, n, n));
-    cublasLtMatmulPreference_t pref;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc, a, a, c, c, pref, 1, &result, &found));
-    CHECK(found == 1);
-    const float alpha = 1.0f, beta = 0.0f;
     const char* first = static_cast<const char*>(operands);
-    const cublasStatus_t status = cublasLtMatmul(handle, desc, &alpha, first, a, first + n * n, a, &beta, out, c, out,
-                                                 c, &result.algo, nullptr, 0, nullptr);
-    cublasLtMatmulPreferenceDestroy(pref);
-    cublasLtMatrixLayoutDestroy(a);
-    cublasLtMatrixLayoutDestroy(c);
-    cublasLtMatmulDescDestroy(desc);
-    return status;
+    return tn_product(handle, {CUDA_R_8F_E4M3, n, n, n, n, b.at<float>(0), b.at<float>(scale_offset)}, first,
+                      first + n * n, static_cast<float*>(out));
   };
   for (size_t offset : {4, 8}) {
     const cublasStatus_t status = product(offset);
@@ -713,33 +733,7 @@ TEST_CASE("the cuBLASLt stand-in's sums do not depend on the tile an element fal
   cublasLtHandle_t handle;
   CUBLAS_CHECK(cublasLtCreate(&handle));
   auto product = [&](const float* a_columns, const float* b_columns, float* d, int rows, int cols, int ld) {
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t a, b, c;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t t = CUBLAS_OP_T, none = CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof none));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_32F, k, rows, k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_32F, k, cols, k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, rows, cols, ld));
-    cublasLtMatmulPreference_t pref;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint32_t sixteen = 16;
-    for (auto attribute : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                           CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &sixteen, sizeof sixteen));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, c, pref, 1, &result, &found));
-    CHECK(found == 1);
-    const float alpha = 1.0f, beta = 0.0f;
-    CUBLAS_CHECK(cublasLtMatmul(handle, desc, &alpha, a_columns, a, b_columns, b, &beta, d, c, d, c, &result.algo,
-                                nullptr, 0, nullptr));
-    cublasLtMatmulPreferenceDestroy(pref);
-    cublasLtMatrixLayoutDestroy(a);
-    cublasLtMatrixLayoutDestroy(b);
-    cublasLtMatrixLayoutDestroy(c);
-    cublasLtMatmulDescDestroy(desc);
+    CUBLAS_CHECK(tn_product(handle, {CUDA_R_32F, k, rows, cols, ld, nullptr, nullptr, 16}, a_columns, b_columns, d));
   };
   const float *a_columns = operands, *b_columns = operands + m * k;
   product(a_columns, b_columns, out, m, n, ldd);
