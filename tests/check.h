@@ -12,12 +12,21 @@ namespace check {
 
 inline int& failures() { static int n = 0; return n; }
 
-struct Case { const char* name; std::function<void()> body; };
+// A case and the source file that registered it (several suites may share one program).
+struct Case { const char* name; std::function<void()> body; const char* file; };
 inline std::vector<Case>& cases() { static std::vector<Case> all; return all; }
 
 struct Register {
-  Register(const char* name, std::function<void()> body) { cases().push_back({name, std::move(body)}); }
+  Register(const char* name, std::function<void()> body, const char* file = "") {
+    cases().push_back({name, std::move(body), file});
+  }
 };
+
+// A source file's name without its folder and extension: "tests/gpu/test_model.cpp" -> "test_model".
+inline std::string suite_of(const std::string& file) {
+  const std::string name = file.substr(file.find_last_of('/') + 1);
+  return name.substr(0, name.find('.'));
+}
 
 inline void fail(const char* file, int line, const std::string& what) {
   std::printf("  FAILED %s:%d: %s\n", file, line, what.c_str());
@@ -41,11 +50,13 @@ inline bool selected(const std::string& name, const std::vector<std::string>& fi
 // Runs the selected cases, each timed, and returns the process exit code: 0 when all passed, 1
 // when one failed or when the filters select nothing (a misspelt filter must not pass by running
 // no case). CTest splits a long suite into several tests this way, so that they run side by side;
-// the last part excludes the others' fragments, so that a new case always runs somewhere.
-inline int run_checks(const std::vector<std::string>& filters = {}) {
+// the last part excludes the others' fragments, so that a new case always runs somewhere. Given a
+// `suite`, only the cases registered by the source file of that name (suite_of) take part.
+inline int run_checks(const std::vector<std::string>& filters = {}, const std::string& suite = "") {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines appear as they are printed, also into a file
   int failed_cases = 0, ran = 0;
   for (const Case& c : cases()) {
+    if (!suite.empty() && suite_of(c.file) != suite) continue;
     if (!selected(c.name, filters)) continue;
     ++ran;
     int before = failures();
@@ -63,7 +74,8 @@ inline int run_checks(const std::vector<std::string>& filters = {}) {
     std::printf("[ %s ] %s (%.1f s)\n", ok ? " OK " : "FAIL", c.name, seconds);
   }
   if (ran == 0) {
-    std::printf("no test case matches the filters given\n");
+    std::printf("no test case %s%smatches the filters given\n", suite.empty() ? "" : "of ",
+                suite.empty() ? "" : (suite + " ").c_str());
     return 1;
   }
   std::printf("%d passed, %d failed\n", ran - failed_cases, failed_cases);
@@ -79,7 +91,7 @@ inline int run_checks(int argc, char** argv) { return run_checks(std::vector<std
 #define CHECK_CONCAT(a, b) CHECK_CONCAT2(a, b)
 #define TEST_CASE(name)                                                       \
   static void CHECK_CONCAT(test_body_, __LINE__)();                           \
-  static check::Register CHECK_CONCAT(test_reg_, __LINE__)(name, CHECK_CONCAT(test_body_, __LINE__)); \
+  static check::Register CHECK_CONCAT(test_reg_, __LINE__)(name, CHECK_CONCAT(test_body_, __LINE__), __FILE__); \
   static void CHECK_CONCAT(test_body_, __LINE__)()
 
 #define CHECK(cond) \

@@ -109,22 +109,36 @@ struct SharedMatrix {
     if (desc >> 62 != 1) wgmma_fatal("a descriptor without 128-byte swizzling");
     if ((desc >> 49 & 7) != 0) wgmma_fatal("a descriptor with a base offset (the kernels align their atoms)");
   }
-  float at(uint32_t offset) const {
+  // The `bytes` at `offset`, within one 16-byte chunk (which the swizzle moves whole), read once
+  // the window and the async proxy's view of them are checked.
+  const unsigned char* chunk(uint32_t offset, uint32_t bytes) const {
     uint32_t address = start + offset;
+    if ((address & 15) + bytes > 16) wgmma_fatal("an operand read across a 16-byte chunk (an emulator error)");
     address ^= (address >> 7 & 7) << 4;
     const uint32_t byte = address - ::emu::kDynamicSharedWindowBase;  // wraps below the window
-    if (address < ::emu::kDynamicSharedWindowBase || byte + 2 > window.bytes)
+    if (address < ::emu::kDynamicSharedWindowBase || byte + bytes > window.bytes)
       wgmma_fatal("a descriptor addresses memory outside the dynamic shared memory");
-    ::emu::check_async_proxy_read(window, byte, 2, "a wgmma operand");
-    uint16_t bits;
-    std::memcpy(&bits, window.data + byte, 2);
-    return bf16_bits_to_float(bits);
+    ::emu::check_async_proxy_read(window, byte, bytes, "a wgmma operand");
+    return window.data + byte;
   }
-  // K-major: 8-row groups `stride` apart, rows of 128 bytes, k contiguous.
-  float k_major(int row, int k) const { return at(row / 8 * stride + row % 8 * 128 + k * 2); }
+  // `count` bf16 values from `offset` on, as floats.
+  void read(uint32_t offset, int count, float* out) const {
+    uint16_t bits[8];
+    std::memcpy(bits, chunk(offset, uint32_t(count) * 2), size_t(count) * 2);
+    for (int i = 0; i < count; ++i) out[i] = bf16_bits_to_float(bits[i]);
+  }
+  // K-major: 8-row groups `stride` apart, rows of 128 bytes, k contiguous (k 0-7 and 8-15: one
+  // chunk each).
+  void k_major_row(int row, float (&out)[16]) const {
+    const uint32_t offset = row / 8 * stride + row % 8 * 128;
+    read(offset, 8, out);
+    read(offset + 16, 8, out + 8);
+  }
   // MN-major: 64 contiguous elements of MN per 128-byte row, k rows 128 bytes apart, 8-row groups
-  // of k `stride` apart, groups of 64 MN `leading` apart.
-  float mn_major(int mn, int k) const { return at(mn / 64 * leading + mn % 64 * 2 + k / 8 * stride + k % 8 * 128); }
+  // of k `stride` apart, groups of 64 MN `leading` apart. Elements mn and mn + 1 (mn even) of row k.
+  void mn_major_pair(int mn, int k, float (&out)[2]) const {
+    read(mn / 64 * leading + mn % 64 * 2 + k / 8 * stride + k % 8 * 128, 2, out);
+  }
   uint32_t start, leading, stride;
   ::emu::SharedWindow window;
 };
@@ -141,12 +155,20 @@ void wgmma_product_into(float (&d)[tiles][4], const float (&a)[2][16], uint64_t 
   const SharedMatrix b(desc_b);
   const int t = linear_thread() % 4;
   float columns[tiles][2][16];
-  for (int n = 0; n < tiles; ++n)
-    for (int c = 0; c < 2; ++c)
+  for (int n = 0; n < tiles; ++n) {
+    const int col = 8 * n + 2 * t;
+    if (trans_b) {
       for (int k = 0; k < 16; ++k) {
-        const int col = 8 * n + 2 * t + c;
-        columns[n][c][k] = trans_b ? b.mn_major(col, k) : b.k_major(col, k);
+        float pair[2];
+        b.mn_major_pair(col, k, pair);
+        columns[n][0][k] = pair[0];
+        columns[n][1][k] = pair[1];
       }
+    } else {
+      b.k_major_row(col, columns[n][0]);
+      b.k_major_row(col + 1, columns[n][1]);
+    }
+  }
   for (int n = 0; n < tiles; ++n)
     for (int e = 0; e < 4; ++e) {
       float sum = 0;
@@ -164,8 +186,7 @@ void wgmma_ss(float (&d)[tiles][4], uint64_t desc_a, uint64_t desc_b, bool accum
   ::emu::wgmma_issue([&d, desc_a, desc_b, accumulate, row] {
     const SharedMatrix a(desc_a);
     float rows[2][16];
-    for (int r = 0; r < 2; ++r)
-      for (int k = 0; k < 16; ++k) rows[r][k] = a.k_major(row + 8 * r, k);
+    for (int r = 0; r < 2; ++r) a.k_major_row(row + 8 * r, rows[r]);
     wgmma_product_into<trans_b>(d, rows, desc_b, accumulate);
   });
 }

@@ -25,7 +25,13 @@ a CPU does not, so the emulator checks every cast to a pointer in kernels/ (the 
 stay free of emulator code).
 Top-level test sources (tests/gpu/test_*.cu, and the emulator's own tests/emulator/test_*.cu) are
 written as .cpp; everything else keeps its name and path, so #include lines resolve inside OUT.
-Usage: translate.py [--list] SOURCE_ROOT OUT_ROOT (--list: print the files it would write, ';'-separated)
+The SUITEs named (tests/gpu test files that include the whole trainer) are also written together as
+one program, OUT/tests/emulator/trainer_suites.cpp, so that the trainer (most of each one's compile)
+compiles once: their #include lines first, at global scope (each suite's own #includes are then
+already done), then each suite's source in a namespace of its own, so that the names it keeps to
+itself do not meet another suite's. Its first argument names the suite to run (run_gpu_suites).
+Usage: translate.py [--list] SOURCE_ROOT OUT_ROOT [SUITE...] (--list: print the files it would
+write, ';'-separated)
 """
 import pathlib
 import re
@@ -89,25 +95,53 @@ def targets(source_root, out_root):
     return pairs
 
 
-def main(source_root, out_root, list_only):
+INCLUDE = re.compile(r"^#include\s+[<\"].*$", re.M)
+SUITES_PROGRAM = "tests/emulator/trainer_suites.cpp"
+
+
+def suites_program(suites, texts):
+    """The one program of `suites`, given each one's translated source."""
+    includes = list(dict.fromkeys(line for suite in suites for line in INCLUDE.findall(texts[suite])))
+    lines = ["// Written by tests/emulator/translate.py (its docstring says why): the suites "
+             + ", ".join(suites) + " as one program.", *includes, ""]
+    for suite in suites:
+        lines += [f"namespace suite_{suite} {{", f'#include "gpu/{suite}.cpp"', f"}}  // namespace suite_{suite}", ""]
+    lines.append("int main(int argc, char** argv) { return run_gpu_suites(argc, argv); }")
+    return "\n".join(lines) + "\n"
+
+
+def write_if_changed(target, text):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists() or target.read_text() != text:  # unchanged files keep their time stamps
+        target.write_text(text)
+
+
+def main(source_root, out_root, suites, list_only):
     source_root, out_root = pathlib.Path(source_root), pathlib.Path(out_root)
     pairs = targets(source_root, out_root)
     if list_only:  # for CMake: every file written, so that a build knows what the rewrite changes
-        print(";".join(target.as_posix() for _, _, target in pairs))
+        written = [target.as_posix() for _, _, target in pairs]
+        print(";".join(written + ([(out_root / SUITES_PROGRAM).as_posix()] if suites else [])))
         return
     template_kernels = {name for path, _, _ in pairs for name in TEMPLATE_KERNEL.findall(path.read_text())}
+    suite_texts = {}
     for path, relative, target in pairs:
         text = path.read_text()
         if relative.parts[0] == "kernels":
             text = check_pointer_casts(text)  # before the launches add casts of kernel addresses
-        target.parent.mkdir(parents=True, exist_ok=True)
         text = rewrite(text, template_kernels)
-        if not target.exists() or target.read_text() != text:  # unchanged files keep their time stamps
-            target.write_text(text)
+        write_if_changed(target, text)
+        if relative.parent.as_posix() == "tests/gpu" and relative.stem in suites:
+            suite_texts[relative.stem] = text
+    if suites:
+        missing = [suite for suite in suites if suite not in suite_texts]
+        if missing:
+            sys.exit(f"translate.py: no tests/gpu/<suite>.cu for {', '.join(missing)}")
+        write_if_changed(out_root / SUITES_PROGRAM, suites_program(suites, suite_texts))
 
 
 if __name__ == "__main__":
     arguments = [a for a in sys.argv[1:] if a != "--list"]
-    if len(arguments) != 2:
+    if len(arguments) < 2:
         sys.exit(__doc__)
-    main(arguments[0], arguments[1], "--list" in sys.argv[1:])
+    main(arguments[0], arguments[1], arguments[2:], "--list" in sys.argv[1:])

@@ -16,14 +16,26 @@
 
 constexpr int kSkipExitCode = 77;
 
-// The arguments select test cases by name (check::run_checks).
-inline int run_gpu_checks(int argc, char** argv) {
+// Whether there is a CUDA device; without one, says that the test is skipped.
+inline bool have_device() {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return kSkipExitCode;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) return true;
+  std::printf("no CUDA device: skipped\n");
+  return false;
+}
+
+// The arguments select test cases by name (check::run_checks).
+inline int run_gpu_checks(int argc, char** argv) { return have_device() ? check::run_checks(argc, argv) : kSkipExitCode; }
+
+// A program of several suites (tests/emulator's trainer_suites): the first argument names the
+// suite (its source file's name, e.g. test_training), the rest select its cases by name.
+inline int run_gpu_suites(int argc, char** argv) {
+  if (argc < 2) {
+    std::printf("usage: %s SUITE [name fragments...] (SUITE: a test file's name, e.g. test_training)\n", argv[0]);
+    return 2;
   }
-  return check::run_checks(argc, argv);
+  if (!have_device()) return kSkipExitCode;
+  return check::run_checks(std::vector<std::string>(argv + 2, argv + argc), argv[1]);
 }
 
 // Built for the CPU emulator of the tests (tests/emulator) rather than for a GPU.
