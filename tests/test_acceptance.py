@@ -544,7 +544,7 @@ class AcceptanceTest(unittest.TestCase):
         self.assertIn("SPEEDRUN_PREBUILT: build/ used as it is", report)
 
     def test_staging_a_configured_build_first_builds_what_the_gpu_runs(self):
-        # the gpu tests that compile the trainer are not in `all` without a GPU: a stale one must not be carried
+        # the gpu tests are not in `all` without a GPU: a stale one must not be carried
         build = os.path.join(self.repo, "build")
         for path in ("CMakeCache.txt", "tests/test_model"):
             os.makedirs(os.path.dirname(os.path.join(build, path)), exist_ok=True)

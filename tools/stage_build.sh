@@ -6,8 +6,8 @@
 # the scripts beside them; left out: object files, CMake's own files, the emulated tests (CPU only),
 # the frozen trainers' builds and the generated sources (compiled in already). In a configured
 # build/ it first brings what the GPU machine runs up to date (`--target gpu_tests bench_kernels`):
-# without a GPU at configure time, the gpu tests that compile the whole trainer are not part of
-# `all`, so a plain build leaves them as an earlier build made them, and they would be carried stale.
+# without a GPU at configure time, the gpu tests are not part of `all`, so a plain build leaves them
+# as an earlier build made them, and they would be carried stale.
 # SPEEDRUN_BASELINE=<commit>: also builds that commit's trainer and bench_kernels (in a git worktree
 # with a build/ of its own) into .carry/baseline.tar.xz, with its commit (REVISION), so that
 # acceptance.sh's anchor and bench phases run them beside this build in the same call: the before
